@@ -1,0 +1,3 @@
+from m3patch.main import main
+
+raise SystemExit(main())

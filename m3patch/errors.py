@@ -1,0 +1,126 @@
+"""One exception root, one exit code per failure class.
+
+Every code is unique and documented in docs/exit-codes.md; scripts and CI branch on them.
+
+| code | class                 | meaning                                                        |
+|------|-----------------------|----------------------------------------------------------------|
+| 0    | -                     | success                                                        |
+| 2    | UsageError            | bad command line, or a config/recipe/manifest that is invalid  |
+| 3    | VllmNotFound          | no vLLM tree found, or two importable trees (ambiguous)        |
+| 4    | VersionMismatch       | the vLLM tree is not the version/commit the series targets     |
+| 5    | PatchConflict         | a file is partially applied, drifted, or a hunk is ambiguous   |
+| 6    | VerifyFailed          | the tree does not equal the pinned post-images (or won't compile) |
+| 7    | TreeIOError           | the tree cannot be read/written (read-only, permission, disk full) |
+| 8    | LockTimeout           | another m3patch run held the tree lock past the deadline       |
+| 9    | HostilePatch          | a patch reaches outside the tree, is binary, or uses a symlink |
+| 10   | ServerExited          | vllm serve exited before it was ready                          |
+| 11   | ReadyTimeout          | vllm serve was not ready by the ready deadline                 |
+| 12   | MarkerMissing         | a required backend marker never appeared (or wrong count)      |
+| 13   | MarkerForbidden       | a forbidden backend marker appeared                            |
+| 14   | BenchFailed           | a sweep cell failed (failed requests, short count, deadline)   |
+| 15   | RunDeadline           | the whole run passed its deadline                              |
+| 16   | ChangelogInvalid      | perf-changelog.yaml breaks the schema or append-only rules     |
+| 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
+| 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
+| 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
+| 130  | Interrupted           | SIGINT/SIGTERM                                                 |
+"""
+
+from __future__ import annotations
+
+
+class M3PatchError(Exception):
+    """Root of every expected failure; carries its own exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  fix: {self.hint}"
+        return self.message
+
+
+class UsageError(M3PatchError):
+    exit_code = 2
+
+
+class VllmNotFound(M3PatchError):
+    exit_code = 3
+
+
+class VersionMismatch(M3PatchError):
+    exit_code = 4
+
+
+class PatchConflict(M3PatchError):
+    exit_code = 5
+
+
+class VerifyFailed(M3PatchError):
+    exit_code = 6
+
+
+class TreeIOError(M3PatchError):
+    exit_code = 7
+
+
+class LockTimeout(M3PatchError):
+    exit_code = 8
+
+
+class HostilePatch(M3PatchError):
+    exit_code = 9
+
+
+class ServerExited(M3PatchError):
+    exit_code = 10
+
+
+class ReadyTimeout(M3PatchError):
+    exit_code = 11
+
+
+class MarkerMissing(M3PatchError):
+    exit_code = 12
+
+
+class MarkerForbidden(M3PatchError):
+    exit_code = 13
+
+
+class BenchFailed(M3PatchError):
+    exit_code = 14
+
+
+class RunDeadline(M3PatchError):
+    exit_code = 15
+
+
+class ChangelogInvalid(M3PatchError):
+    exit_code = 16
+
+
+class ResultsInvalid(M3PatchError):
+    exit_code = 17
+
+
+class ServerDied(M3PatchError):
+    exit_code = 18
+
+
+class Interrupted(M3PatchError):
+    exit_code = 130
+
+
+INTERNAL_ERROR_EXIT = 70
+
+ALL_ERRORS: tuple[type[M3PatchError], ...] = (
+    UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
+    LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
+    BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, Interrupted,
+)

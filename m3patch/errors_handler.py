@@ -1,0 +1,77 @@
+"""Turn exceptions into one message and an exit code (pre-commit's error_handler shape)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from m3patch import __version__
+from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError
+
+
+@dataclass
+class Outcome:
+    code: int = 0
+
+
+def _emit(message: str) -> None:
+    first, *rest = message.splitlines() or [""]
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        flat = message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+        print(f"::error::{flat}", file=sys.stderr)
+    print(f"m3patch: error: {first}", file=sys.stderr)
+    for line in rest:
+        print(f"  {line}", file=sys.stderr)
+
+
+def crash_log_dir() -> Path:
+    override = os.environ.get("M3PATCH_CRASH_DIR")
+    if override:
+        return Path(override)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "m3patch"
+
+
+def _write_crash_log(exc: BaseException) -> Path | None:
+    try:
+        directory = crash_log_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        body = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        path.write_text(
+            f"m3patch {__version__}\npython {sys.version}\nargv {sys.argv}\n\n{body}",
+            encoding="utf-8",
+        )
+    except OSError:
+        return None
+    return path
+
+
+@contextmanager
+def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
+    outcome = Outcome()
+    debug = debug or os.environ.get("M3PATCH_DEBUG_TRACEBACK") == "1"
+    try:
+        yield outcome
+    except M3PatchError as exc:
+        if debug:
+            traceback.print_exc()
+        _emit(str(exc))
+        outcome.code = exc.exit_code
+    except KeyboardInterrupt:
+        print("m3patch: interrupted", file=sys.stderr)
+        outcome.code = 130
+    except SystemExit:
+        raise
+    except Exception as exc:
+        log = _write_crash_log(exc)
+        if debug or log is None:
+            traceback.print_exc()
+        where = f"; details in {log}" if log else ""
+        _emit(f"internal error: {type(exc).__name__}: {exc}{where} (please report it)")
+        outcome.code = INTERNAL_ERROR_EXIT

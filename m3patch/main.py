@@ -1,0 +1,93 @@
+"""CLI entry: `m3patch COMMAND ...`.
+
+The command table maps names to modules imported only when that command runs, so
+`m3patch --version` imports nothing heavy (pip's `commands_dict` shape). Each command module
+exposes `add_arguments(parser)` and `run(args) -> int`; expected failures are raised as
+M3PatchError and turned into one message and a unique exit code here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from m3patch import __version__
+from m3patch.errors_handler import handle_errors
+
+
+class Command(NamedTuple):
+    module: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "locate": Command("m3patch.commands.locate", "show the vLLM tree an interpreter would import"),
+    "apply": Command("m3patch.commands.apply", "apply the patch series (atomic, idempotent)"),
+    "verify": Command("m3patch.commands.verify", "check the tree equals the pinned post-images"),
+    "status": Command("m3patch.commands.status", "per-patch, per-file, per-hunk state"),
+    "revert": Command("m3patch.commands.revert", "restore the exact pinned pre-images"),
+    "series": Command("m3patch.commands.series", "maintain a series (lock pins, show)"),
+    "recipe": Command("m3patch.commands.recipe", "validate or show recipes"),
+    "serve": Command("m3patch.commands.serve", "apply, verify, then run vllm serve with a marker gate"),
+    "markers": Command("m3patch.commands.markers", "check a saved server log against markers"),
+    "bench": Command("m3patch.commands.bench", "concurrency sweep with vllm bench serve; compare"),
+    "matrix": Command("m3patch.commands.matrix", "emit the CI job matrix for recipes"),
+    "changelog": Command("m3patch.commands.changelog", "validate perf-changelog.yaml"),
+    "ci": Command("m3patch.commands.ci", "one CI job: apply, verify, serve, sweep, results"),
+    "tune": Command("m3patch.commands.tune", "tune vLLM's fused-MoE Triton kernel on this GPU"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="m3patch",
+        description="Patch-and-launch toolkit for pinned vLLM images.",
+        epilog="Exit codes: docs/exit-codes.md. `m3patch COMMAND --help` for a command.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"m3patch {__version__}")
+    parser.add_argument(
+        "--debug-traceback", action="store_true",
+        help="print tracebacks for expected errors too (or M3PATCH_DEBUG_TRACEBACK=1)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        sub.add_parser(name, help=cmd.help, add_help=False)
+    return parser
+
+
+def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """Split global options, the command name and the command's own arguments."""
+    for index, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return argv[:index], arg, argv[index + 1 :]
+    return argv, None, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    global_args, name, rest = _split(args)
+    top = _top_parser()
+    ns = top.parse_args(global_args)
+    if name is None:
+        top.print_help(sys.stderr)
+        return 2
+    if name not in COMMANDS:
+        top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
+        return 2
+    with handle_errors(debug=ns.debug_traceback) as outcome:
+        module = importlib.import_module(COMMANDS[name].module)
+        parser = argparse.ArgumentParser(
+            prog=f"m3patch {name}", description=COMMANDS[name].help, allow_abbrev=False
+        )
+        module.add_arguments(parser)
+        cmd_args = parser.parse_args(rest)
+        outcome.code = int(module.run(cmd_args))
+    return outcome.code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Strict schema helpers: breadcrumbs to the bad key, unknown keys are errors with a suggestion.
+
+Shape borrowed from cfgv/pre-commit (`==> At key: ...`) and cibuildwheel ("Perhaps you meant").
+Loaders call these on raw YAML and return frozen dataclasses; raw dicts never leave a loader.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from m3patch.errors import UsageError
+
+T = TypeVar("T")
+
+
+class SchemaError(UsageError):
+    """A config value is invalid; `trail` is the path from the file to the bad key."""
+
+    def __init__(self, message: str, trail: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.trail = trail
+
+    def with_context(self, ctx: str) -> SchemaError:
+        return SchemaError(self.message, (ctx, *self.trail))
+
+    def __str__(self) -> str:
+        lines = [f"==> {ctx}" for ctx in self.trail]
+        lines.append(f"=====> {self.message}")
+        return "\n".join(lines)
+
+    def one_line(self) -> str:
+        where = " > ".join(self.trail)
+        return f"{where}: {self.message}" if where else self.message
+
+
+@contextmanager
+def context(ctx: str) -> Iterator[None]:
+    """Prefix any SchemaError raised inside with one breadcrumb line."""
+    try:
+        yield
+    except SchemaError as exc:
+        raise exc.with_context(ctx) from None
+
+
+@contextmanager
+def at_key(key: str | int) -> Iterator[None]:
+    label = f"At index {key}" if isinstance(key, int) else f"At key: {key}"
+    with context(label):
+        yield
+
+
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """' Perhaps you meant 'x'?' or ''."""
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Perhaps you meant {matches[0]!r}?" if matches else ""
+
+
+def check_keys(
+    data: Mapping[str, Any], *, required: Iterable[str] = (), optional: Iterable[str] = ()
+) -> None:
+    """Reject unknown keys (with a suggestion) and report the first missing required key."""
+    required = tuple(required)
+    allowed = (*required, *optional)
+    for key in data:
+        if not isinstance(key, str):
+            msg = f"keys must be strings, got {key!r}"
+            raise SchemaError(msg)
+        if key not in allowed:
+            msg = f"unknown key {key!r}.{suggest(key, allowed)}"
+            raise SchemaError(msg)
+    for key in required:
+        if key not in data:
+            msg = f"missing required key {key!r}"
+            raise SchemaError(msg)
+
+
+def type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def expect_mapping(value: object, what: str = "a mapping") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        msg = f"expected {what}, got {type_name(value)}"
+        raise SchemaError(msg)
+    return value
+
+
+def expect_list(value: object, *, non_empty: bool = False) -> list[Any]:
+    if not isinstance(value, list):
+        msg = f"expected a list, got {type_name(value)}"
+        raise SchemaError(msg)
+    if non_empty and not value:
+        msg = "expected a non-empty list"
+        raise SchemaError(msg)
+    return value
+
+
+def expect_str(value: object, *, non_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        msg = f"expected a string, got {type_name(value)}"
+        raise SchemaError(msg)
+    if non_empty and not value.strip():
+        msg = "expected a non-empty string"
+        raise SchemaError(msg)
+    return value
+
+
+def expect_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        msg = f"expected true or false, got {type_name(value)}"
+        raise SchemaError(msg)
+    return value
+
+
+def expect_int(value: object, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"expected an integer, got {type_name(value)}"
+        raise SchemaError(msg)
+    if minimum is not None and value < minimum:
+        msg = f"expected an integer >= {minimum}, got {value}"
+        raise SchemaError(msg)
+    return value
+
+
+def expect_number(value: object, *, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"expected a number, got {type_name(value)}"
+        raise SchemaError(msg)
+    if minimum is not None and value < minimum:
+        msg = f"expected a number >= {minimum}, got {value}"
+        raise SchemaError(msg)
+    return float(value)
+
+
+def expect_choice(value: object, choices: Iterable[str]) -> str:
+    text = expect_str(value)
+    choices = tuple(choices)
+    if text not in choices:
+        msg = f"expected one of {', '.join(choices)}, got {text!r}.{suggest(text, choices)}"
+        raise SchemaError(msg)
+    return text
+
+
+def str_list(value: object, *, non_empty: bool = False) -> tuple[str, ...]:
+    items = expect_list(value, non_empty=non_empty)
+    out: list[str] = []
+    for index, item in enumerate(items):
+        with at_key(index):
+            out.append(expect_str(item))
+    return tuple(out)
+
+
+def in_file(path: object) -> Any:
+    """Context manager naming the file as the first breadcrumb."""
+    return context(f"File {path}")
