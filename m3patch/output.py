@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +36,40 @@ def warn(message: str) -> None:
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """Print a table to stdout (plain text when stdout is not a terminal)."""
+    from rich.markup import escape
     from rich.table import Table
 
-    tab = Table(title=title, show_lines=False)
+    tab = Table(title=escape(title), show_lines=False)
     for col in columns:
         tab.add_column(col)
-    for row in rows:
-        tab.add_row(*(str(cell) for cell in row))
+    for row in rows:  # escaped: log text such as "m3patch[provenance]" is not rich markup
+        tab.add_row(*(escape(str(cell)) for cell in row))
     stdout_console().print(tab)
+
+
+@contextmanager
+def progress(total: int, description: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr; yields `advance(label)`, called after each finished step.
+
+    Not a terminal (CI logs): one plain line per step instead of redraws.
+    """
+    if not console().is_terminal:
+        done = [0]
+
+        def advance_plain(label: str) -> None:
+            done[0] += 1
+            info(f"{description} {done[0]}/{total}: {label}")
+
+        yield advance_plain
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[label]}"))
+    with Progress(*columns, console=console()) as bar:
+        task = bar.add_task(description, total=total, label="")
+
+        def advance(label: str) -> None:
+            bar.update(task, advance=1, label=label)
+
+        yield advance

@@ -12,7 +12,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 # torch==2.13.0 resolves to the local CPU wheel on these machines; only numerics tests use it.
-"$VENV/bin/pip" install -q -e '.[test]' 'torch==2.13.0' 2>&1 | grep -v -e '^WARNING: Location' -e 'Running pip as' || true
+# triton==3.6.0 (the device's version): kernel modules in patches are imported/interpreted on CPU.
+if ! "$VENV/bin/pip" install -q -e '.[test]' 'torch==2.13.0' 'triton==3.6.0' >"$VENV/pip-install.log" 2>&1; then
+  cat "$VENV/pip-install.log"; echo "test.sh: installing the test environment failed" >&2; exit 1
+fi
 
 if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
   bash scripts/setup_cpu_venv.sh

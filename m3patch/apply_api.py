@@ -1,0 +1,215 @@
+"""The API serve, bench and CI import. Every failure raises an M3PatchError subclass.
+
+    from m3patch.apply_api import apply_series, verify_tree, read_ledger
+    from m3patch.locate import find_vllm
+    from m3patch.series import load_series
+
+    tree = find_vllm(python=None, vllm_root=None)
+    series = load_series(Path("patches/vllm-0.33.0"))
+    report = apply_series(tree, series)          # idempotent; report.summary() is the last line
+    verify_tree(tree, series).raise_for_failure()
+    ledger = read_ledger(tree.root)              # provenance: ledger.series, ledger.patches
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from m3patch import engine, txn
+from m3patch.checks import (
+    Loaded,
+    StatusReport,
+    VerifyReport,
+    classify_all,
+    load_patches,
+    tree_status,
+    verify_tree,
+)
+from m3patch.diffs import safe_target
+from m3patch.errors import PatchConflict, UsageError, VerifyFailed, VersionMismatch
+from m3patch.ledger import Ledger, LedgerFile, digest, file_digest, new_ledger, read_ledger
+from m3patch.locate import VllmTree, check_target
+from m3patch.series import Series
+
+__all__ = ["ApplyReport", "StatusReport", "VerifyReport", "apply_series", "read_ledger",
+           "revert_series", "tree_status", "verify_tree"]
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    series_id: str
+    mode: str
+    dry_run: bool
+    applied: tuple[str, ...]  # patch ids this run wrote
+    already: tuple[str, ...]  # patch ids that were in place before
+    files_written: tuple[str, ...]
+    offsets: tuple[str, ...]  # offset mode: one line per hunk that moved
+    notes: tuple[str, ...]  # journal recovery, version policy, ledger repairs
+
+    def summary(self) -> str:
+        if self.mode == "revert":
+            verb = "would revert" if self.dry_run else "reverted"
+            return f"m3patch: {len(self.applied)} {verb}, {len(self.already)} not applied, 0 conflicts"
+        verb = "would apply" if self.dry_run else "applied"
+        return (f"m3patch: {len(self.applied)} {verb}, {len(self.already)} already applied, "
+                "0 conflicts")
+
+
+def _version_note(tree: VllmTree, series: Series, mode: str) -> str:
+    try:
+        return check_target(tree, series.target_version, series.target_commit)
+    except VersionMismatch as exc:
+        if mode != "offset":
+            raise
+        return f"offset mode: {exc.message}"
+
+
+def _selected(loaded: Loaded, only: Iterable[str] | None) -> tuple[engine.Chain, ...]:
+    if not only:
+        return loaded.chains
+    wanted = set(only)
+    unknown = wanted - {p.id for p in loaded.series.patches}
+    if unknown:
+        msg = f"--only {sorted(unknown)[0]}: no such patch in series {loaded.series.id}"
+        raise UsageError(msg, hint=f"m3patch series show --series {loaded.series.directory}")
+    chosen = []
+    for chain in loaded.chains:
+        ids = {s.patch_id for s in chain.steps}
+        if ids & wanted and not ids <= wanted:
+            msg = f"--only: {chain.path} is also changed by {sorted(ids - wanted)}; select those too"
+            raise UsageError(msg, hint="add every patch that touches the same file to --only")
+        if ids & wanted:
+            chosen.append(chain)
+    return tuple(chosen)
+
+
+def _plan(loaded: Loaded, chains: Iterable[engine.Chain],
+          statuses: dict[str, engine.FileStatus], mode: str) -> list[engine.FilePlan]:
+    plans, conflicts = [], []
+    for chain in chains:
+        status = statuses[chain.path]
+        if status.stage == len(chain.steps):
+            continue
+        if status.stage is not None:
+            plans.append(engine.post_image(chain, status.stage, loaded.contents[chain.path]))
+        elif mode == "offset":
+            plans.append(engine.offset_image(chain, loaded.contents[chain.path]))
+        else:
+            conflicts.extend(engine.diagnosis(status))
+    if conflicts:
+        msg = "refusing to patch files that match no pinned image:\n" + "\n".join(conflicts)
+        version = loaded.series.target_version
+        raise PatchConflict(msg, hint="m3patch status; restore with `pip install --force-reinstall "
+                            f"--no-deps vllm=={version}`, or port the patch (apply --offset)")
+    return plans
+
+
+def _ledger_for(loaded: Loaded, tree: VllmTree, mode: str, note: str,
+                plans: list[engine.FilePlan]) -> Ledger:
+    planned = {p.path: p for p in plans}
+    statuses = loaded.statuses
+    files = []
+    for chain in loaded.chains:
+        plan = planned.get(chain.path)
+        if plan is not None:
+            files.append(LedgerFile(chain.path, plan.pre, plan.post))
+        elif statuses[chain.path].stage == len(chain.steps):
+            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1]))
+    done = {f.path for f in files}
+    patches = tuple(p.id for p in loaded.series.patches
+                    if all(c.path in done for c in loaded.chains
+                           if any(s.patch_id == p.id for s in c.steps)))
+    return new_ledger(series=loaded.series.id, mode=mode, vllm_version=tree.version,
+                      vllm_commit=tree.commit, version_note=note, patches=patches,
+                      files=tuple(files))
+
+
+def _same(a: Ledger | None, b: Ledger) -> bool:
+    return a is not None and (a.series, a.mode, a.patches, a.files, a.vllm_version) == (
+        b.series, b.mode, b.patches, b.files, b.vllm_version)
+
+
+def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
+                 only: Iterable[str] | None = None, mode: str = "strict") -> ApplyReport:
+    """Apply the whole series (or `only` some patches) as one transaction; idempotent."""
+    if mode not in ("strict", "offset"):
+        msg = f"unknown mode {mode!r}"
+        raise UsageError(msg, hint="use mode='strict' or mode='offset'")
+    note = _version_note(tree, series, mode)
+    patches = load_patches(series)
+    notes = [] if note == f"{tree.version} accepted" else [note]
+    with txn.tree_lock(tree.root):
+        recovered = None if dry_run else txn.recover(tree.root)
+        notes += [recovered] if recovered else []
+        loaded = classify_all(tree, series, patches)
+        chains = _selected(loaded, only)
+        plans = _plan(loaded, chains, dict(loaded.statuses), mode)
+        ledger = _ledger_for(loaded, tree, mode, note, plans)
+        old_ledger = loaded.ledger
+        wanted = {s.patch_id for c in chains for s in c.steps}
+        pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
+        if not dry_run and (plans or not _same(old_ledger, ledger)):
+            if not plans:
+                notes.append("files already patched; the ledger was missing or stale: rewritten")
+            changes = [txn.Change(p.path, p.pre, p.post, p.data) for p in plans]
+            for change in changes:
+                safe_target(tree.root, change.path)
+            txn.commit(tree.root, changes, ledger.to_bytes())
+    offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
+                    for p in plans for pid, h in p.offsets if h.offset)
+    order = [p.id for p in series.patches if p.id in wanted]
+    return ApplyReport(series.id, mode, dry_run, tuple(i for i in order if i in pending),
+                       tuple(i for i in order if i not in pending),
+                       tuple(p.path for p in plans), offsets, tuple(notes))
+
+
+def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
+    """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
+    patches = load_patches(series)
+    with txn.tree_lock(tree.root):
+        notes = [n for n in [None if dry_run else txn.recover(tree.root)] if n]
+        loaded = classify_all(tree, series, patches)
+        ledger = loaded.ledger
+        offset = ledger is not None and ledger.mode == "offset"
+        plans, conflicts = [], []
+        for chain in loaded.chains:
+            status = loaded.statuses[chain.path]
+            data = loaded.contents[chain.path]
+            if offset and status.stage is None and ledger is not None:
+                pins = {f.path: f for f in ledger.files}
+                if chain.path in pins and pins[chain.path].post == status.current:
+                    pre = engine.pre_image(chain, len(chain.steps), data, offset=True)
+                    plans.append(engine.FilePlan(chain.path, status.current,
+                                                 None if pre is None else digest(pre), pre))
+                    continue
+            if status.stage is None:
+                conflicts.extend(engine.diagnosis(status))
+            elif status.stage > 0:
+                pre = engine.pre_image(chain, status.stage, data)
+                plans.append(engine.FilePlan(chain.path, status.current, chain.hashes[0], pre))
+        if conflicts:
+            msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
+            raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
+                                f"vllm=={series.target_version}`")
+        if not dry_run and (plans or ledger is not None):
+            changes = [txn.Change(p.path, p.pre, p.post, p.data) for p in plans]
+            for change in changes:
+                safe_target(tree.root, change.path)
+            txn.commit(tree.root, changes, None)
+            _check_written(tree, plans)
+    reverted = {s.patch_id for p in plans for c in loaded.chains if c.path == p.path
+                for s in c.steps}
+    order = [p.id for p in series.patches]
+    return ApplyReport(series.id, "revert", dry_run, tuple(i for i in order if i in reverted),
+                       tuple(i for i in order if i not in reverted),
+                       tuple(p.path for p in plans), (), tuple(notes))
+
+
+def _check_written(tree: VllmTree, plans: list[engine.FilePlan]) -> None:
+    """Re-read what the transaction wrote: a revert promises the exact pinned pre-images."""
+    for plan in plans:
+        got = file_digest(tree.root / plan.path)
+        if got != plan.post:
+            msg = f"{plan.path}: sha256 {got} after the write, expected {plan.post}"
+            raise VerifyFailed(msg, hint="m3patch status; the disk or another writer interfered")

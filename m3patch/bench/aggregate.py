@@ -1,0 +1,132 @@
+"""Aggregate a run folder's per-cell files into aggregate.json and aggregate.csv.
+
+Field names follow InferenceX's utils/process_result.py so its readers work unchanged:
+tput_per_gpu = total_token_throughput / gpu_count, output_tput_per_gpu, input_tput_per_gpu
+(total - output), latencies in seconds without the `_ms` suffix (median_ttft, p99_tpot, ...),
+and interactivity `<stat>_intvty` = 1000 / <stat>_tpot_ms (tokens/s seen by one user).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from m3patch.bench.results import (
+    METRICS,
+    STATS,
+    invalid,
+    read_cell_file,
+    read_json_object,
+    write_json_atomic,
+)
+
+AGGREGATE_JSON = "aggregate.json"
+AGGREGATE_CSV = "aggregate.csv"
+AGGREGATE_SCHEMA = 1
+CELLS_DIR = "cells"
+KEY_FIELDS = ("cell_id", "isl", "osl", "concurrency", "tp", "pp", "ep", "dp", "dp_attention",
+              "gpu_count", "parallelism")
+PROVENANCE_FIELDS = ("recipe_name", "recipe_sha256", "series", "image", "vllm_version")
+LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in STATS)
+INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in STATS)
+COLUMNS = (
+    *KEY_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
+    "output_throughput", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",
+    *LATENCY_FIELDS, *INTVTY_FIELDS,
+)  # fmt: skip
+
+
+def cell_row(data: dict[str, Any]) -> dict[str, Any]:
+    """One aggregate row from a checked per-cell document (pure)."""
+    cell, prov = data["m3patch"]["cell"], data["m3patch"]["provenance"]
+    gpus = cell["gpu_count"]
+    total, output = data["total_token_throughput"], data["output_throughput"]
+    row: dict[str, Any] = {key: cell.get(key) for key in KEY_FIELDS}
+    row.update({key: prov.get(key) for key in PROVENANCE_FIELDS})
+    row.update(
+        completed=data["completed"], failed=data["failed"], duration=data["duration"],
+        total_token_throughput=total, output_throughput=output,
+        tput_per_gpu=total / gpus, output_tput_per_gpu=output / gpus,
+        input_tput_per_gpu=(total - output) / gpus,
+    )  # fmt: skip
+    for field in LATENCY_FIELDS:
+        row[field] = data[f"{field}_ms"] / 1000.0
+    for stat in STATS:
+        tpot_ms = data[f"{stat}_tpot_ms"]
+        # osl=1 has no decode step: TPOT is 0 and interactivity is undefined, not infinite.
+        row[f"{stat}_intvty"] = 1000.0 / tpot_ms if tpot_ms > 0 else None
+    return row
+
+
+def cell_files(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / CELLS_DIR).glob("*.json"))
+
+
+def rows_of_run(run_dir: Path, cell_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of the run's per-cell files; only `cell_ids` when given (each must exist)."""
+    if cell_ids is None:
+        files = cell_files(run_dir)
+    else:
+        files = [run_dir / CELLS_DIR / f"{cell_id}.json" for cell_id in cell_ids]
+    if not files:
+        raise invalid(run_dir / CELLS_DIR, None, "no per-cell result files")
+    rows = [cell_row(read_cell_file(path)) for path in files]
+    return sorted(rows, key=_order)
+
+
+def _order(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["isl"], row["osl"], row["gpu_count"], row["parallelism"], row["concurrency"])
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: "" if row.get(key) is None else row[key] for key in COLUMNS})
+    return out.getvalue()
+
+
+def write_aggregate(
+    run_dir: Path, meta: dict[str, Any], cell_ids: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """aggregate.json (meta + rows) and aggregate.csv (rows) from the run's per-cell files."""
+    rows = rows_of_run(run_dir, cell_ids)
+    write_json_atomic(run_dir / AGGREGATE_JSON,
+                      {"schema": AGGREGATE_SCHEMA, **meta, "rows": rows})
+    tmp = run_dir / f".{AGGREGATE_CSV}.tmp"
+    tmp.write_text(csv_text(rows))
+    tmp.replace(run_dir / AGGREGATE_CSV)
+    return rows
+
+
+def load_aggregate(path: Path) -> dict[str, Any]:
+    """An aggregate.json, or a run folder holding one; rows checked for the keys compare uses."""
+    file = path / AGGREGATE_JSON if path.is_dir() else path
+    data = read_json_object(file)
+    if data.get("schema") != AGGREGATE_SCHEMA:
+        raise invalid(file, "schema", f"expected {AGGREGATE_SCHEMA}, got {data.get('schema')!r}")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise invalid(file, "rows", "missing or empty")
+    for index, row in enumerate(rows):
+        _check_row(row, f"rows[{index}]", file)
+    return data
+
+
+def _check_row(row: object, where: str, file: Path) -> None:
+    if not isinstance(row, dict):
+        raise invalid(file, where, "expected an object")
+    for key in (*KEY_FIELDS, "tput_per_gpu", "median_intvty"):
+        if key not in row:
+            raise invalid(file, f"{where}.{key}", "missing")
+    for key in ("isl", "osl", "concurrency", "tp", "pp", "ep", "dp", "gpu_count"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid(file, f"{where}.{key}", f"expected a positive integer, got {value!r}")
+    tput = row["tput_per_gpu"]
+    if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:
+        raise invalid(file, f"{where}.tput_per_gpu", f"expected a number >= 0, got {tput!r}")

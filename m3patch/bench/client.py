@@ -1,0 +1,154 @@
+"""Run vLLM's own benchmark client (`vllm bench serve`) for one cell.
+
+The argv is built purely (`bench_argv`); `run_client` spawns it in its own process group and
+polls it against the cell deadline and the server's health, because the client itself fails open:
+it only warns when every request fails and exits 0 after partial failures (anchors.md §2.4).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from m3patch.bench.cells import Cell
+from m3patch.errors import BenchFailed, ServerDied
+
+POLL_SECONDS = 0.5
+TERM_GRACE_SECONDS = 5.0
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+METRIC_PERCENTILES = "50,90,99"
+CLIENT_LOG_TAIL_LINES = 15
+
+# Loopback only, no telemetry: the same environment the server runs with (vllm-cpu.md §3).
+CLIENT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True)
+class BenchTarget:
+    """The running server a sweep talks to, and the interpreter whose vLLM serves it."""
+
+    python: Path
+    base_url: str
+    served_model: str
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    returncode: int
+    seconds: float
+    log_path: Path
+
+
+def bench_argv(
+    target: BenchTarget, cell: Cell, result_dir: Path, result_filename: str, seed: int
+) -> list[str]:
+    """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape)."""
+    conc = cell.concurrency
+    return [
+        str(target.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", target.base_url,
+        "--model", target.served_model,
+        "--tokenizer", target.tokenizer,
+        "--dataset-name", "random",
+        "--random-input-len", str(cell.seq.isl),
+        "--random-output-len", str(cell.seq.osl),
+        "--random-range-ratio", repr(cell.range_ratio),
+        "--ignore-eos",
+        "--num-prompts", str(cell.num_prompts),
+        "--num-warmups", str(cell.num_warmups),
+        "--max-concurrency", str(conc),
+        "--request-rate", "inf",
+        "--percentile-metrics", PERCENTILE_METRICS,
+        "--metric-percentiles", METRIC_PERCENTILES,
+        "--save-result",
+        "--result-dir", str(result_dir),
+        "--result-filename", result_filename,
+        "--seed", str(seed),
+    ]  # fmt: skip
+
+
+def run_client(
+    argv: list[str],
+    *,
+    cell_id: str,
+    log_path: Path,
+    deadline_s: float,
+    check_server: Callable[[], None],
+) -> ClientRun:
+    """Run the client to completion; raise if the cell overran or the server died meanwhile.
+
+    `check_server` raises (ServerDied, MarkerForbidden, ...) when the server is no longer fit to
+    measure; the client is then stopped and the server's error propagates unchanged.
+    """
+    env = {**os.environ, **CLIENT_ENV}
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            returncode = _wait(proc, cell_id, started + deadline_s, deadline_s, check_server)
+        finally:
+            _stop_group(proc)
+    return ClientRun(returncode, time.monotonic() - started, log_path)
+
+
+def _wait(
+    proc: subprocess.Popen[bytes],
+    cell_id: str,
+    deadline: float,
+    deadline_s: float,
+    check_server: Callable[[], None],
+) -> int:
+    while True:
+        try:
+            return proc.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        check_server()
+        if time.monotonic() > deadline:
+            msg = f"cell {cell_id}: vllm bench serve still running after its {deadline_s:g} s deadline"
+            raise BenchFailed(msg, hint="raise the recipe's deadlines.cell, or lower its concurrency")
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the client's whole group, SIGKILL after a grace period; never leave it behind."""
+    if proc.poll() is not None:
+        return
+    for sig, grace in ((signal.SIGTERM, TERM_GRACE_SECONDS), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(log_path: Path, lines: int = CLIENT_LOG_TAIL_LINES) -> str:
+    """Last lines of the client's log, for a failure message (progress bars dropped)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [line for line in text.splitlines() if line.strip() and "it/s]" not in line]
+    return "\n".join(kept[-lines:])
+
+
+def server_died(reason: str) -> ServerDied:
+    msg = f"the server stopped during the sweep: {reason}"
+    return ServerDied(msg, hint="read the server log in the run folder; rerun with --resume")

@@ -1,0 +1,132 @@
+"""Compare two aggregates cell by cell (pure): the seed PR's Previous / Patched / Change table.
+
+Only cells of the same shape are compared: the same ISL/OSL, TP, PP, EP, DP, dp-attention, GPU
+count and concurrency. A cell present on one side only, or at a concurrency both sides ran but
+with a different shape, is listed and never given a change figure: a TP4 number against a TP8
+number is a deployment change, not a speedup (the seed's own caveat).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SHAPE_FIELDS = ("isl", "osl", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count")
+DEFAULT_METRIC = "tput_per_gpu"
+METRIC_LABELS = {
+    "tput_per_gpu": "total tok/s/GPU",
+    "output_tput_per_gpu": "output tok/s/GPU",
+    "input_tput_per_gpu": "input tok/s/GPU",
+    "median_intvty": "median tok/s/user",
+}
+
+
+@dataclass(frozen=True)
+class Compared:
+    seq: str
+    parallelism: str
+    concurrency: int
+    base: float
+    new: float
+
+    @property
+    def change_pct(self) -> float | None:
+        return None if self.base == 0 else (self.new / self.base - 1.0) * 100.0
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    side: str  # 'base only' | 'new only' | 'shape differs'
+    concurrency: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class Comparison:
+    metric: str
+    compared: tuple[Compared, ...]
+    unmatched: tuple[Unmatched, ...]
+
+
+def shape(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row[field] for field in SHAPE_FIELDS)
+
+
+def seq_label(row: dict[str, Any]) -> str:
+    isl, osl = row["isl"], row["osl"]
+    if isl % 1024 == 0 and osl % 1024 == 0:
+        return f"{isl // 1024}K/{osl // 1024}K"
+    return f"{isl}/{osl}"
+
+
+def describe(row: dict[str, Any]) -> str:
+    return f"{seq_label(row)} {row['parallelism']} ({row['gpu_count']} GPU)"
+
+
+def compare_rows(
+    base_rows: list[dict[str, Any]], new_rows: list[dict[str, Any]], metric: str = DEFAULT_METRIC
+) -> Comparison:
+    new_by_key = {(shape(r), r["concurrency"]): r for r in new_rows}
+    compared, base_left = [], []
+    for row in base_rows:
+        other = new_by_key.pop((shape(row), row["concurrency"]), None)
+        if other is None:
+            base_left.append(row)
+            continue
+        compared.append(Compared(seq_label(row), row["parallelism"], row["concurrency"],
+                                 float(row[metric]), float(other[metric])))
+    return Comparison(metric, tuple(compared), tuple(_unmatched(base_left, list(new_by_key.values()))))
+
+
+def _unmatched(base_left: list[dict[str, Any]], new_left: list[dict[str, Any]]) -> list[Unmatched]:
+    out = []
+    for row in base_left:
+        peers = [r for r in new_left if r["concurrency"] == row["concurrency"]]
+        for peer in peers:
+            new_left.remove(peer)
+            detail = f"base {describe(row)} vs new {describe(peer)}"
+            out.append(Unmatched("shape differs", row["concurrency"], detail))
+        if not peers:
+            out.append(Unmatched("base only", row["concurrency"], describe(row)))
+    out += [Unmatched("new only", r["concurrency"], describe(r)) for r in new_left]
+    return sorted(out, key=lambda u: (u.concurrency, u.side))
+
+
+def summary(result: Comparison) -> str:
+    label = METRIC_LABELS.get(result.metric, result.metric)
+    changes = [c.change_pct for c in result.compared if c.change_pct is not None]
+    if not changes:
+        return f"no cell of the same shape on both sides; nothing compared ({label})"
+    faster = sum(1 for value in changes if value > 0)
+    slower = sum(1 for value in changes if value < 0)
+    ratios = [1.0 + value / 100.0 for value in changes]
+    geomean = (math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1.0) * 100.0
+    skipped = f"; {len(result.unmatched)} cell(s) not compared" if result.unmatched else ""
+    return (f"{len(changes)} cell(s) compared on {label}: {faster} higher, {slower} lower; "
+            f"change {min(changes):+.1f}% .. {max(changes):+.1f}%, geometric mean {geomean:+.1f}%"
+            f"{skipped}")
+
+
+def table_rows(result: Comparison) -> list[list[str]]:
+    return [
+        [c.seq, c.parallelism, str(c.concurrency), f"{c.base:.2f}", f"{c.new:.2f}",
+         "n/a" if c.change_pct is None else f"{c.change_pct:+.1f}%"]
+        for c in result.compared
+    ]
+
+
+def to_json(result: Comparison) -> dict[str, Any]:
+    return {
+        "metric": result.metric,
+        "compared": [
+            {"seq": c.seq, "parallelism": c.parallelism, "concurrency": c.concurrency,
+             "base": c.base, "new": c.new, "change_pct": c.change_pct}
+            for c in result.compared
+        ],
+        "not_compared": [
+            {"reason": u.side, "concurrency": u.concurrency, "detail": u.detail}
+            for u in result.unmatched
+        ],
+        "summary": summary(result),
+    }

@@ -1,0 +1,90 @@
+"""CI job list as a GitHub Actions `strategy.matrix` ({"include": [...]}), pure.
+
+Conventions from InferenceX's generate_sweep_configs.py (anchors.md part 2 §3.2-3.3):
+- concurrency doubles from conc-start with the last step clamped to conc-end (the recipe loader
+  expands it; 1..6 gives 1, 2, 4, 6);
+- TP-only rows are latency rows and start at concurrency 1 (#1760: "capturing the
+  single-request latency point"); a TP-only row that starts higher gets 1 added;
+- max-model-len = isl + osl + 256.
+One job per cell by default (InferenceX's shape; each runs `m3patch bench RECIPE --only CELL`),
+or one job per recipe with `per="recipe"`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
+from m3patch.errors import UsageError
+
+GITHUB_MATRIX_LIMIT = 256  # GitHub refuses a matrix with more jobs than this
+
+
+@dataclass(frozen=True)
+class MatrixRecipe:
+    """What the matrix needs from one recipe (built from a Recipe by spec.matrix_recipe)."""
+
+    path: str
+    name: str
+    platform: str
+    image: str | None
+    model: str
+    parallelism: Parallelism
+    rows: tuple[tuple[int, int, tuple[int, ...]], ...]  # (isl, osl, concurrencies)
+    range_ratio: float
+
+
+def latency_concurrencies(par: Parallelism, concs: tuple[int, ...]) -> tuple[int, ...]:
+    if par.is_tp_only and concs and concs[0] > 1:
+        return (1, *concs)
+    return concs
+
+
+def recipe_cells(recipe: MatrixRecipe) -> tuple[Cell, ...]:
+    cells: list[Cell] = []
+    for isl, osl, concs in recipe.rows:
+        wanted = latency_concurrencies(recipe.parallelism, concs)
+        cells += expand([SeqLen(isl, osl)], wanted, recipe.parallelism, recipe.range_ratio)
+    return tuple(cells)
+
+
+def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
+    label = seq.label if "/" not in seq.label else f"{seq.isl}x{seq.osl}"
+    return f"{recipe.name}_{label}"
+
+
+def cell_job(recipe: MatrixRecipe, cell: Cell) -> dict[str, Any]:
+    par = cell.parallelism
+    return {
+        "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
+        "image": recipe.image or "", "model": recipe.model,
+        "exp-name": exp_name(recipe, cell.seq), "cell-id": cell.cell_id,
+        "isl": cell.seq.isl, "osl": cell.seq.osl, "conc": cell.concurrency,
+        "max-model-len": cell.seq.max_model_len, "random-range-ratio": cell.range_ratio,
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
+        "gpus": par.gpu_count, "parallelism": par.label,
+    }  # fmt: skip
+
+
+def recipe_job(recipe: MatrixRecipe, cells: Sequence[Cell]) -> dict[str, Any]:
+    par = recipe.parallelism
+    return {
+        "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
+        "image": recipe.image or "", "model": recipe.model, "cells": len(cells),
+        "max-model-len": max(cell.seq.max_model_len for cell in cells),
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
+        "gpus": par.gpu_count, "parallelism": par.label,
+    }  # fmt: skip
+
+
+def build_matrix(recipes: Sequence[MatrixRecipe], per: str = "cell") -> dict[str, Any]:
+    jobs: list[dict[str, Any]] = []
+    for recipe in recipes:
+        cells = recipe_cells(recipe)
+        jobs += [cell_job(recipe, c) for c in cells] if per == "cell" else [recipe_job(recipe, cells)]
+    if len(jobs) > GITHUB_MATRIX_LIMIT:
+        msg = f"the matrix has {len(jobs)} jobs; GitHub Actions accepts at most {GITHUB_MATRIX_LIMIT}"
+        raise UsageError(msg, hint="pass fewer recipes, or --per recipe (one job per recipe)")
+    return {"include": jobs}

@@ -1,0 +1,112 @@
+"""From a Recipe to what the bench needs: cells, matrix rows, a cell deadline, and provenance.
+
+The rest of m3patch.bench works on plain values (cells, rows); this module is the one place that
+reads m3patch.recipe's dataclasses, so a recipe schema change touches one file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
+from m3patch.bench.matrix import MatrixRecipe
+from m3patch.errors import UsageError
+from m3patch.recipe import Recipe
+
+IMAGE_ENV = "M3PATCH_IMAGE"
+# `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU
+# (vllm-cpu.md §4) and tokenizes every prompt up front; this covers both on slow machines.
+CLIENT_STARTUP_S = 120.0
+SESSION_SERVER = "m3patch serve"
+
+
+def parallelism_of(recipe: Recipe) -> Parallelism:
+    par = recipe.parallelism
+    return Parallelism(tp=par.tp, pp=1, ep=par.ep, dp=par.dp, dp_attention=par.dp_attention)
+
+
+@contextmanager
+def in_recipe(recipe: Recipe) -> Iterator[None]:
+    """Name the recipe in a sweep error raised by the pure cell code."""
+    try:
+        yield
+    except UsageError as exc:
+        msg = f"{recipe.path}: sweep: {exc.message}"
+        raise UsageError(msg, hint=exc.hint) from None
+
+
+def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
+    sweep, par = recipe.sweep, parallelism_of(recipe)
+    cells: list[Cell] = []
+    with in_recipe(recipe):
+        for row in sweep.rows:
+            cells += expand([SeqLen(row.isl, row.osl)], row.concurrencies, par, sweep.range_ratio,
+                            sweep.prompts_per_concurrency, sweep.warmups_per_concurrency)
+    seen: set[str] = set()
+    for cell in cells:
+        if cell.cell_id in seen:
+            msg = f"{recipe.path}: sweep cell {cell.cell_id} appears twice"
+            raise UsageError(msg, hint="merge the sweep rows that repeat this isl/osl/concurrency")
+        seen.add(cell.cell_id)
+    return tuple(cells)
+
+
+def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
+    """Worst case the recipe allows: every wave of `concurrency` requests takes request-s."""
+    waves = math.ceil((cell.num_prompts + cell.num_warmups) / cell.concurrency)
+    return CLIENT_STARTUP_S + waves * recipe.deadlines.request_s
+
+
+def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
+    rows = tuple((r.isl, r.osl, r.concurrencies) for r in recipe.sweep.rows)
+    return MatrixRecipe(
+        path=shown_path, name=recipe.name, platform=recipe.target.platform,
+        image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
+        rows=rows, range_ratio=recipe.sweep.range_ratio,
+    )  # fmt: skip
+
+
+def image_of(recipe: Recipe) -> str | None:
+    return os.environ.get(IMAGE_ENV) or recipe.target.image
+
+
+def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any]:
+    """Where the numbers came from: recipe bytes, series and patch hashes, vLLM, image, GPUs.
+
+    Read from the tree the server imports (its ledger, if any) and the series lock. `server`
+    says who started the server: "m3patch serve" (tree verified, markers gated) or "external".
+    A tree without a ledger is an unpatched baseline: series null, no patches.
+    """
+    from m3patch.ledger import digest, ledger_path, read_ledger
+    from m3patch.locate import find_vllm
+
+    tree = find_vllm(python=python)
+    ledger = read_ledger(tree.root)
+    base: dict[str, Any] = {
+        "recipe": str(Path(recipe.path).resolve()), "recipe_name": recipe.name,
+        "recipe_sha256": digest(Path(recipe.path).read_bytes()),
+        "platform": recipe.target.platform, "image": image_of(recipe),
+        "gpu_count": parallelism_of(recipe).gpu_count,
+        "vllm_version": tree.version, "vllm_commit": tree.commit, "vllm_root": str(tree.root),
+        "series": None, "patches": [], "ledger_sha256": None, "server": server,
+        "verified": server == SESSION_SERVER,
+    }  # fmt: skip
+    if ledger is None:
+        return base
+    base.update(series=ledger.series, patches=_patch_hashes(recipe, ledger.patches),
+                ledger_sha256=digest(ledger_path(tree.root).read_bytes()),
+                vllm_version=ledger.vllm_version, vllm_commit=ledger.vllm_commit)
+    return base
+
+
+def _patch_hashes(recipe: Recipe, patch_ids: tuple[str, ...]) -> list[dict[str, str | None]]:
+    from m3patch.series import load_series
+
+    lock = load_series(recipe.series_dir).lock
+    pins = {pin.id: pin.sha256 for pin in lock.patches} if lock else {}
+    return [{"id": pid, "sha256": pins.get(pid)} for pid in patch_ids]

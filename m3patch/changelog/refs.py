@@ -1,0 +1,76 @@
+"""Cross-references from entries to the repository: recipes, series, patch ids (pure).
+
+`config-keys` name recipes: a key matches a recipe file by its path from the repository root
+(`recipes/cpu_tiny_moe.yaml`), its path under recipes/ (`cpu_tiny_moe.yaml`) or that without
+the suffix (`cpu_tiny_moe`); `*`, `?` and `[...]` globs work, and every key, glob or not, must
+match at least one recipe (a typo would otherwise select nothing and pass).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from m3patch.changelog.entries import ChangelogEntry
+from m3patch.changelog.findings import Finding, error
+
+RECIPES_DIR = "recipes"
+PATCHES_DIR = "patches"
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What the entries may name, read from the head (work tree or git ref)."""
+
+    recipes: tuple[str, ...]  # repository-relative paths under recipes/
+    series: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # folder -> patch ids
+    series_errors: Mapping[str, str] = field(default_factory=dict)  # folder -> why unreadable
+
+
+def recipe_names(path: str) -> tuple[str, ...]:
+    under = path[len(RECIPES_DIR) + 1 :] if path.startswith(f"{RECIPES_DIR}/") else path
+    stem = next((under[: -len(s)] for s in RECIPE_SUFFIXES if under.endswith(s)), under)
+    return path, under, stem
+
+
+def matching_recipes(key: str, catalog: Catalog) -> list[str]:
+    return [
+        path for path in catalog.recipes
+        if any(fnmatch.fnmatchcase(name, key) for name in recipe_names(path))
+    ]
+
+
+def reference_findings(entry: ChangelogEntry, catalog: Catalog) -> list[Finding]:
+    findings = [_missing_recipe(entry, key, catalog) for key in entry.config_keys]
+    findings += _series_findings(entry, catalog)
+    return [f for f in findings if f is not None]
+
+
+def _missing_recipe(entry: ChangelogEntry, key: str, catalog: Catalog) -> Finding | None:
+    if matching_recipes(key, catalog):
+        return None
+    kind = "glob " if any(c in key for c in "*?[") else ""
+    known = ", ".join(sorted(recipe_names(p)[2] for p in catalog.recipes)) or "none"
+    msg = f"config-keys: {kind}{key!r} matches no recipe under {RECIPES_DIR}/ (known: {known})"
+    return error("config-keys", msg, entry.line, f"add {RECIPES_DIR}/{key}.yaml or fix the key")
+
+
+def _series_findings(entry: ChangelogEntry, catalog: Catalog) -> list[Finding]:
+    if entry.series is None:
+        return []
+    where = f"{PATCHES_DIR}/{entry.series}/series.yaml"
+    if entry.series in catalog.series_errors:
+        msg = f"series {entry.series!r}: {where} is unreadable: {catalog.series_errors[entry.series]}"
+        return [error("series", msg, entry.line, f"m3patch series show {PATCHES_DIR}/{entry.series}")]
+    if entry.series not in catalog.series:
+        known = ", ".join(sorted(catalog.series)) or "none"
+        msg = f"series {entry.series!r} does not exist: no {where} (known: {known})"
+        return [error("series", msg, entry.line, f"name a folder under {PATCHES_DIR}/")]
+    ids = catalog.series[entry.series]
+    return [
+        error("patches", f"patch {pid!r} is not in {where} (ids: {', '.join(ids) or 'none'})",
+              entry.line, f"use a patch id listed in {where}")
+        for pid in entry.patches if pid not in ids
+    ]

@@ -1,0 +1,39 @@
+"""`m3patch apply`: the series as one transaction; exact, idempotent, fail-closed."""
+
+from __future__ import annotations
+
+import argparse
+
+from m3patch.commands.common import add_series_option, add_tree_options, err, say, tree_and_series
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_tree_options(parser)
+    add_series_option(parser)
+    parser.add_argument("--verify", action="store_true", help="verify the tree afterwards")
+    parser.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="apply only these patch ids")
+    parser.add_argument("--offset", action="store_true",
+                        help="porting mode: exact hunks at reported offsets on an unpinned tree")
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3patch.apply_api import apply_series, verify_tree
+
+    tree, series = tree_and_series(args)
+    report = apply_series(tree, series, dry_run=args.dry_run, only=args.only,
+                          mode="offset" if args.offset else "strict")
+    for note in report.notes:
+        err(f"m3patch: {note}")
+    for line in report.offsets:
+        err(f"m3patch: offset: {line}")
+    for path in report.files_written:
+        say(f"{'would write' if args.dry_run else 'wrote'} {path}")
+    if not report.applied:
+        say(f"m3patch: series {series.id} already applied to {tree.root}")
+    if args.verify and not args.dry_run:
+        verify = verify_tree(tree, series)
+        verify.raise_for_failure()
+        say(f"m3patch: verified {len(verify.checked)} file(s)")
+    say(report.summary())
+    return 0

@@ -1,0 +1,84 @@
+"""`m3patch bench RECIPE` (serve, sweep, stop) and `m3patch bench compare BASE NEW`.
+
+    m3patch bench recipes/cpu_tiny_moe.yaml                  # apply+verify, serve, sweep, plots
+    m3patch bench recipes/cpu_tiny_moe.yaml --resume --run-dir results/cpu_tiny_moe/RUN
+    m3patch bench recipes/x.yaml --url http://127.0.0.1:8000 # sweep a server started elsewhere
+    m3patch bench compare BASE NEW [--plots DIR]           # aggregate.json files or run folders
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from m3patch.errors import UsageError
+
+COMPARE = "compare"
+METRICS = ("tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu", "median_intvty")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", nargs="+", metavar="RECIPE | compare BASE NEW",
+                        help="a recipe to sweep, or `compare BASE NEW` (aggregate.json or run folder)")
+    sweep = parser.add_argument_group("sweep (m3patch bench RECIPE)")
+    sweep.add_argument("--run-dir", type=Path,
+                       help="run folder (default: <recipe results>/<UTC time>; with --resume: "
+                            "the newest run folder there)")
+    sweep.add_argument("--resume", action="store_true",
+                       help="keep cells that already have a valid, complete result file")
+    sweep.add_argument("--only", action="append", metavar="CELL_ID", default=[],
+                       help="run only this cell (repeatable; ids as in `m3patch matrix`)")
+    sweep.add_argument("--python", help="interpreter whose vLLM serves (default: the recipe's)")
+    sweep.add_argument("--port", type=int, help="server port (default: the recipe's)")
+    sweep.add_argument("--url", metavar="BASE_URL",
+                       help="sweep a server that is already running; m3patch neither starts nor "
+                            "gates it, and provenance says so")
+    sweep.add_argument("--seed", type=int, default=0, help="random dataset seed (default 0)")
+    sweep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    comp = parser.add_argument_group("compare (m3patch bench compare BASE NEW)")
+    comp.add_argument("--metric", choices=METRICS, default="tput_per_gpu",
+                      help="value compared per cell (default: total tok/s/GPU)")
+    comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
+    comp.add_argument("--json", type=Path, metavar="FILE", help="also write the comparison as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what[0] == COMPARE:
+        if len(args.what) != 3:
+            msg = f"bench compare takes BASE and NEW, got {len(args.what) - 1} argument(s)"
+            raise UsageError(msg, hint="m3patch bench compare BASE_RUN NEW_RUN")
+        return _compare(Path(args.what[1]), Path(args.what[2]), args)
+    if len(args.what) != 1:
+        msg = f"bench takes one recipe, got {len(args.what)}: {' '.join(args.what)}"
+        raise UsageError(msg, hint="m3patch bench RECIPE  (or: m3patch bench compare BASE NEW)")
+    from m3patch.bench.runner import bench_recipe
+
+    return bench_recipe(Path(args.what[0]), args)
+
+
+def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
+    from m3patch.bench import compare as cmp
+    from m3patch.bench.aggregate import load_aggregate
+    from m3patch.bench.plots import PlotRun, draw, run_title
+    from m3patch.bench.results import write_json_atomic
+    from m3patch.output import info, stdout_console, table
+
+    base_agg, new_agg = load_aggregate(base), load_aggregate(new)
+    result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
+    label = cmp.METRIC_LABELS[args.metric]
+    table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}",
+          ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"],
+          cmp.table_rows(result))
+    if result.unmatched:
+        table("not compared", ["Reason", "Concurrency", "Cells"],
+              [[u.side, u.concurrency, u.detail] for u in result.unmatched])
+    stdout_console().print(cmp.summary(result), markup=False, highlight=False)
+    if args.json:
+        write_json_atomic(args.json, cmp.to_json(result))
+        info(f"comparison written to {args.json}")
+    if args.plots:
+        runs = [PlotRun("base", run_title(base_agg), tuple(base_agg["rows"])),
+                PlotRun("new", run_title(new_agg), tuple(new_agg["rows"]))]
+        for path in draw(runs, args.plots):
+            info(f"plot written to {path}")
+    return 0

@@ -1,0 +1,123 @@
+"""`m3patch changelog check`: validate perf-changelog.yaml, append-only against a base ref.
+
+    m3patch changelog check [--base REF] [--head REF] [--pr N] [--file PATH] [--repo OWNER/NAME]
+
+Without --head the work-tree file is checked; refs are read with `git show REF:path`. Without
+--base only the schema, layout and references are checked (every entry counts as new). PR links
+are https://github.com/OWNER/NAME/pull/N, the repo from --repo, $GITHUB_REPOSITORY, the
+github.com `origin` remote, else m3patch/m3patch. Exit 16 on a rule violation, 2 on a bad
+invocation or unknown ref. With GITHUB_ACTIONS=true each problem is also a `::error` annotation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+DEFAULT_FILE = "perf-changelog.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = sub.add_parser("check", help="validate the schema and the append-only rules")
+    check.add_argument("--base", metavar="REF", help="git ref the file must only append to")
+    check.add_argument("--head", metavar="REF", help="git ref to check (default: the work tree)")
+    check.add_argument("--pr", type=int, metavar="N", help="this PR's number (its pr-link)")
+    check.add_argument("--file", type=Path, help=f"the changelog (default: <repo>/{DEFAULT_FILE})")
+    check.add_argument("--repo", metavar="OWNER/NAME", help="GitHub repository of PR links")
+    check.add_argument("--json", type=Path, dest="json_path", help="write the report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3patch.changelog import CheckInput, check, raise_for_errors
+    from m3patch.changelog.findings import errors_of, github_annotation
+    from m3patch.changelog.sources import (
+        GitRefReader,
+        WorkTreeReader,
+        build_catalog,
+        resolve_repo,
+        verify_ref,
+    )
+    from m3patch.output import info
+
+    root, path = _locate(args)
+    rel = _relative(path, root)
+    for ref in (args.base, args.head):
+        if ref is not None:
+            verify_ref(_need_git(root), ref)
+    head = _read_head(root, rel, path, args.head)
+    base = _read_base(root, rel, args.base)
+    reader = GitRefReader(_need_git(root), args.head) if args.head else WorkTreeReader(root or path.parent)
+    inp = CheckInput(
+        path=rel, head=head, base=base, compare=args.base is not None,
+        base_label=args.base or "the base", repo=resolve_repo(args.repo, root), pr=args.pr,
+    )
+    report = check(inp, build_catalog(reader))
+    if args.json_path is not None:
+        _write_json(args.json_path, report.to_json())
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        for finding in errors_of(report.findings):
+            print(github_annotation(finding, rel), flush=True)
+    raise_for_errors(report.findings, rel)
+    for finding in report.findings:
+        info(f"{rel}: {finding.message}")
+    return 0
+
+
+def _locate(args: argparse.Namespace) -> tuple[Path | None, Path]:
+    from m3patch.changelog.sources import git_toplevel
+
+    start = args.file.parent if args.file is not None else Path.cwd()
+    root = git_toplevel(start.resolve() if start.exists() else Path.cwd())
+    if args.file is not None:
+        return root, args.file.resolve()
+    return root, (root or Path.cwd()) / DEFAULT_FILE
+
+
+def _need_git(root: Path | None) -> Path:
+    from m3patch.errors import UsageError
+
+    if root is None:
+        msg = "--base/--head need a git repository, and the changelog is not inside one"
+        raise UsageError(msg, hint="run from the repository, or pass --file inside it")
+    return root
+
+
+def _relative(path: Path, root: Path | None) -> str:
+    if root is not None and path.is_relative_to(root.resolve()):
+        return path.relative_to(root.resolve()).as_posix()
+    return path.name if root is None else str(path)
+
+
+def _read_head(root: Path | None, rel: str, path: Path, head_ref: str | None) -> bytes:
+    from m3patch.changelog.sources import GitRefReader
+    from m3patch.errors import UsageError
+
+    if head_ref is None:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            msg = f"{path}: cannot read the changelog: {exc.strerror}"
+            raise UsageError(msg, hint="pass --file PATH, or create perf-changelog.yaml") from None
+    data = GitRefReader(_need_git(root), head_ref).read(rel)
+    if data is None:
+        msg = f"{rel} does not exist at {head_ref}"
+        raise UsageError(msg, hint=f"git show {head_ref}:{rel}  (check --file and --head)")
+    return data
+
+
+def _read_base(root: Path | None, rel: str, base_ref: str | None) -> bytes | None:
+    from m3patch.changelog.sources import GitRefReader
+
+    if base_ref is None:
+        return None
+    return GitRefReader(_need_git(root), base_ref).read(rel)  # absent at base: a new file
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)

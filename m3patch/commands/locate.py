@@ -1,0 +1,26 @@
+"""`m3patch locate`: which vLLM tree would be patched, without importing vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from m3patch.commands.common import add_tree_options, say, tree_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_tree_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    tree = tree_from(args)
+    fields = {"root": str(tree.root), "package_dir": str(tree.package_dir),
+              "version": tree.version, "commit": tree.commit,
+              "distribution": tree.distribution, "python": tree.python}
+    if args.json:
+        say(json.dumps(fields, indent=2))
+    else:
+        for key, value in fields.items():
+            say(f"{key:13} {value if value is not None else '-'}")
+    return 0

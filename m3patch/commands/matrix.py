@@ -1,0 +1,38 @@
+"""`m3patch matrix RECIPE ...`: the CI job list as GitHub Actions `strategy.matrix` JSON.
+
+    echo "matrix=$(m3patch matrix recipes/*.yaml)" >> "$GITHUB_OUTPUT"
+    # then: strategy: {matrix: ${{ fromJSON(needs.plan.outputs.matrix) }}}
+    #       run: m3patch bench ${{ matrix.recipe }} --only ${{ matrix.cell-id }}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipes", nargs="+", type=Path, metavar="RECIPE")
+    parser.add_argument("--per", choices=("cell", "recipe"), default="cell",
+                        help="one job per sweep cell (default, InferenceX's shape) or per recipe")
+    parser.add_argument("--indent", type=int, default=None,
+                        help="pretty-print (default: one line, as $GITHUB_OUTPUT needs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3patch.bench.matrix import build_matrix, recipe_cells
+    from m3patch.bench.spec import in_recipe, matrix_recipe
+    from m3patch.recipe import load_recipe
+
+    recipes = []
+    for path in args.recipes:
+        recipe = load_recipe(path)
+        entry = matrix_recipe(recipe, str(path))
+        with in_recipe(recipe):
+            recipe_cells(entry)  # checks the sweep here, where the recipe can be named
+        recipes.append(entry)
+    matrix = build_matrix(recipes, per=args.per)
+    sys.stdout.write(json.dumps(matrix, indent=args.indent) + "\n")
+    return 0

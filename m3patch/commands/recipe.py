@@ -1,0 +1,67 @@
+"""`m3patch recipe validate FILE...` and `m3patch recipe show FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from m3patch.errors import M3PatchError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    validate = sub.add_parser("validate", help="check recipes (and their series' markers)")
+    validate.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    show = sub.add_parser("show", help="the resolved argv, env and markers of a recipe")
+    show.add_argument("file", type=Path, metavar="FILE")
+    show.add_argument("--python", help="the interpreter to launch with (default: the recipe's)")
+
+
+def _validate(files: list[Path]) -> int:
+    from m3patch.launch_plan import all_markers
+    from m3patch.output import info
+    from m3patch.recipe import load_recipe
+
+    first_error: M3PatchError | None = None
+    for path in files:
+        try:
+            all_markers(load_recipe(path), None)
+        except M3PatchError as exc:
+            print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
+            first_error = first_error or exc
+            continue
+        info(f"{path}: ok")
+    return 0 if first_error is None else first_error.exit_code
+
+
+def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
+    """Print what `serve` would run; shared with `serve --dry-run`."""
+    from m3patch.launch_plan import plan_launch
+    from m3patch.output import table
+    from m3patch.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    interpreter = python or recipe.target.python or sys.executable
+    log = recipe.results_dir / "<run>" / "server.log"
+    plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
+    print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
+    print(f"# series {recipe.series_dir} (applied and verified before start)")
+    print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
+    print("  " + shlex.join(plan.spec.argv))
+    rows = [[m.id, m.kind, m.text, m.count if m.count is not None else "any", m.declared_by]
+            for m in plan.markers]
+    table("markers (required by readiness; forbidden at any time)",
+          ["id", "kind", "text", "count", "declared by"], rows)
+    sweep = [[r.isl, r.osl, ",".join(map(str, r.concurrencies))] for r in recipe.sweep.rows]
+    table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
+          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
+          ["isl", "osl", "concurrency"], sweep)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        return _validate(args.files)
+    show_plan(args.file, args.python)
+    return 0

@@ -1,0 +1,26 @@
+"""`m3patch revert`: back to the exact pinned pre-images (verified), ledger removed."""
+
+from __future__ import annotations
+
+import argparse
+
+from m3patch.commands.common import add_series_option, add_tree_options, err, say, tree_and_series
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_tree_options(parser)
+    add_series_option(parser)
+    parser.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3patch.apply_api import revert_series
+
+    tree, series = tree_and_series(args)
+    report = revert_series(tree, series, dry_run=args.dry_run)
+    for note in report.notes:
+        err(f"m3patch: {note}")
+    for path in report.files_written:
+        say(f"{'would restore' if args.dry_run else 'restored'} {path}")
+    say(report.summary())
+    return 0

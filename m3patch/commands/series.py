@@ -1,0 +1,91 @@
+"""`m3patch series lock|show`: generate the pins of a series; show what it contains.
+
+`lock` applies every patch, in order and exactly, to a pristine tree in memory and writes
+series.lock.json: target, sha256 of each .patch, and of every file's pre- and post-image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from m3patch import __version__
+from m3patch.commands.common import say, series_dir
+from m3patch.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    lock = sub.add_parser("lock", help="compute series.lock.json from a pristine tree")
+    lock.add_argument("--series", metavar="DIR", type=Path, required=True)
+    source = lock.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tree", metavar="DIR", help="pristine tree root (containing vllm/)")
+    source.add_argument("--pristine", action="store_true",
+                        help="use the cached PyPI wheel of the target version")
+    show = sub.add_parser("show", help="list the patches and markers of a series")
+    show.add_argument("--series", metavar="DIR", type=Path, required=True)
+
+
+def _lock(args: argparse.Namespace) -> int:
+    from m3patch import engine
+    from m3patch.diffs import parse_patch, safe_target
+    from m3patch.ledger import digest
+    from m3patch.locate import check_target, tree_at
+    from m3patch.series import LOCK, LOCK_SCHEMA, load_series
+    from m3patch.txn import atomic_write
+
+    series = load_series(series_dir(args, None), with_lock=False)
+    if args.pristine:
+        from m3patch.pristine import pristine_tree
+
+        root = pristine_tree(series.target_version)
+    else:
+        root = Path(args.tree)
+    tree = tree_at(root)
+    check_target(tree, series.target_version, series.target_commit)
+    patches = []
+    for entry in series.patches:
+        data = series.patch_path(entry).read_bytes()
+        patches.append((entry.id, parse_patch(data, str(series.patch_path(entry))), digest(data)))
+    paths = {fp.path for _, patch, _ in patches for fp in patch.files}
+    pristine = {}
+    for rel in sorted(paths):
+        target = safe_target(tree.root, rel)
+        pristine[rel] = target.read_bytes() if target.is_file() else None
+    pins = engine.lock_pins(patches, pristine)
+    body = {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
+            "target": {"vllm-version": series.target_version, "commit": series.target_commit},
+            "pinned-from": tree.version + (f" (commit {tree.commit})" if tree.commit else ""),
+            "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
+                         "files": [{"path": f.path, "pre": f.pre, "post": f.post}
+                                   for f in p.files]} for p in pins]}
+    atomic_write(series.directory / LOCK, (json.dumps(body, indent=2) + "\n").encode())
+    say(f"m3patch: wrote {series.directory / LOCK}: {len(pins)} patch(es), {len(paths)} file(s)")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from m3patch.series import load_series
+
+    series = load_series(series_dir(args, None))
+    say(f"{series.id}: vLLM {series.target_version}"
+        f"{' commit ' + series.target_commit if series.target_commit else ''}"
+        f", lock {'present' if series.lock else 'MISSING'}")
+    for index, patch in enumerate(series.patches, start=1):
+        gate = ",".join(patch.platforms) or "all platforms"
+        say(f"{index:3}. {patch.id} ({patch.file}; {gate}): {patch.summary}")
+        say(f"     drop when: {patch.drop_when}")
+        for marker in patch.markers:
+            text = marker.text if marker.text is not None else f"regex:{marker.regex}"
+            say(f"     {marker.kind} marker {marker.id}: {text!r}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "lock":
+        return _lock(args)
+    if args.action == "show":
+        return _show(args)
+    msg = f"unknown series action {args.action!r}"
+    raise UsageError(msg, hint="m3patch series --help")

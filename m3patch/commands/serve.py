@@ -1,0 +1,70 @@
+"""`m3patch serve RECIPE`: apply + verify the series, then run `vllm serve` behind a marker gate.
+
+Runs in the foreground until Ctrl-C (exit 130), `--hold` seconds pass, or, with
+`--stop-after-ready`, right after the server is ready and every required marker was seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from m3patch.errors import Interrupted
+
+WATCH_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", type=Path, help="recipe YAML (e.g. recipes/cpu_tiny_moe.yaml)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the argv, env and markers; apply and start nothing")
+    parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
+                                         "(default: the recipe's target.python, else this one)")
+    parser.add_argument("--port", type=int, help="override server.port")
+    parser.add_argument("--run-dir", type=Path,
+                        help="folder for server.log and serve.json (default: RESULTS/serve-TIME)")
+    parser.add_argument("--stop-after-ready", action="store_true",
+                        help="stop (exit 0) once ready with every required marker seen")
+    parser.add_argument("--hold", type=float, metavar="SECONDS",
+                        help="serve this long after ready, watching markers, then stop (exit 0)")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the server log")
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    msg = f"received signal {signal.Signals(signum).name}; the server was stopped"
+    raise Interrupted(msg, hint="re-run the same `m3patch serve` command")
+
+
+def _echo(line: str) -> None:
+    print(f"  | {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3patch.commands.recipe import show_plan
+    from m3patch.output import info
+    from m3patch.recipe import load_recipe
+    from m3patch.serve_session import ServeSession
+
+    if args.dry_run:
+        show_plan(args.recipe, args.python, args.port)
+        return 0
+    recipe = load_recipe(args.recipe)
+    run_dir = args.run_dir or recipe.results_dir / time.strftime("serve-%Y%m%d-%H%M%S")
+    signal.signal(signal.SIGTERM, _on_sigterm)  # SIGINT already raises KeyboardInterrupt (130)
+    session = ServeSession(recipe, run_dir, python=args.python, port=args.port,
+                           echo=None if args.quiet else _echo)
+    with session:
+        info(f"ready in {session.ready_s:.1f} s at {session.base_url} (model {session.model}); "
+             f"markers ok; log {session.log_path}")
+        if args.stop_after_ready:
+            return 0
+        end = None if args.hold is None else time.monotonic() + args.hold
+        while end is None or time.monotonic() < end:
+            session.check_alive()
+            time.sleep(WATCH_S)
+    info(f"stopped; log {session.log_path}")
+    return 0

@@ -1,0 +1,187 @@
+"""Unified diff -> pure file/hunk model (unidiff parses; m3patch applies), plus hostile-path checks.
+
+Text is handled as str decoded with `surrogateescape`, so any byte round-trips exactly, and lines
+are split on "\\n" only: `str.splitlines` would also split on form feeds and U+2028, which
+appear in real sources and would shift every hunk position after them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Literal
+
+from m3patch.errors import HostilePatch, UsageError
+
+if TYPE_CHECKING:
+    from unidiff.patch import Hunk as UnidiffHunk
+    from unidiff.patch import PatchedFile
+
+FileKind = Literal["modify", "add", "delete"]
+ENCODING = "utf-8"
+_MODE_RE = re.compile(r"^(?:new file mode|deleted file mode|old mode|new mode) (\d+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Hunk:
+    index: int  # 1-based, in file order, for messages
+    old_start: int  # 1-based line number in the pre-image (0 for an empty pre-image)
+    old_lines: tuple[str, ...]
+    new_start: int
+    new_lines: tuple[str, ...]
+    header: str
+
+
+@dataclass(frozen=True)
+class FilePatch:
+    path: str  # relative to the tree root, always under vllm/
+    kind: FileKind
+    hunks: tuple[Hunk, ...]
+    new_mode: int | None  # from a git "new file mode" header
+
+
+@dataclass(frozen=True)
+class PatchFile:
+    name: str  # the .patch file name, for messages
+    files: tuple[FilePatch, ...]
+
+
+def decode(data: bytes) -> str:
+    return data.decode(ENCODING, "surrogateescape")
+
+
+def encode(text: str) -> bytes:
+    return text.encode(ENCODING, "surrogateescape")
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines with their "\\n" kept; a last line without newline stays as is."""
+    if not text:
+        return []
+    parts = text.split("\n")
+    lines = [part + "\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def check_rel_path(path: str, where: str) -> str:
+    """Refuse absolute paths, `..`, and anything outside vllm/ (HostilePatch, exit 9)."""
+    posix = PurePosixPath(path)
+    hint = "patch paths must look like a/vllm/... and b/vllm/... relative to the tree root"
+    if posix.is_absolute() or path.startswith("\\") or re.match(r"^[A-Za-z]:", path):
+        msg = f"{where}: absolute path {path!r} in patch"
+        raise HostilePatch(msg, hint=hint)
+    if ".." in posix.parts or "\x00" in path:
+        msg = f"{where}: path {path!r} climbs out with '..'"
+        raise HostilePatch(msg, hint=hint)
+    if len(posix.parts) < 2 or posix.parts[0] != "vllm":
+        msg = f"{where}: path {path!r} is not under vllm/"
+        raise HostilePatch(msg, hint=hint)
+    return str(posix)
+
+
+def _strip_prefix(name: str) -> str:
+    return name[2:] if name.startswith(("a/", "b/")) else name
+
+
+def _hunk_lines(hunk: UnidiffHunk) -> tuple[list[str], list[str]]:
+    old: list[str] = []
+    new: list[str] = []
+    last: list[list[str]] = []
+    for line in hunk:
+        kind = line.line_type
+        if kind == "\\":  # "\ No newline at end of file" belongs to the previous line
+            for side in last:
+                side[-1] = side[-1].removesuffix("\n")
+            continue
+        last = [old, new] if kind == " " else [old] if kind == "-" else [new]
+        for side in last:
+            side.append(line.value)
+    return old, new
+
+
+def _file_kind(pf: PatchedFile) -> FileKind:
+    if pf.is_added_file:
+        return "add"
+    if pf.is_removed_file:
+        return "delete"
+    return "modify"
+
+
+def _check_file(pf: PatchedFile, info: str, where: str) -> str:
+    source = _strip_prefix(pf.source_file)
+    target = _strip_prefix(pf.target_file)
+    if pf.is_binary_file or "GIT binary patch" in info:
+        msg = f"{where}: binary patch for {target}; m3patch applies text diffs only"
+        raise HostilePatch(msg, hint="regenerate the patch without --binary")
+    if pf.is_symlink or "120000" in _MODE_RE.findall(info):
+        msg = f"{where}: {target} is a symlink in the patch; symlinks are refused"
+        raise HostilePatch(msg, hint="patch the real file instead of a link")
+    paths = [p for p in (source, target) if p != "/dev/null"]
+    for path in paths:
+        check_rel_path(path, where)
+    if len(set(paths)) > 1 or pf.is_rename:
+        msg = f"{where}: rename {source} -> {target} is not supported"
+        raise UsageError(msg, hint="express a rename as a delete plus an add")
+    if not pf.is_added_file and not pf.is_removed_file and any(
+        m.startswith(("old mode", "new mode")) for m in info.splitlines()
+    ):
+        msg = f"{where}: mode change on {target} is not supported"
+        raise UsageError(msg, hint="drop the mode change from the patch")
+    return paths[0]
+
+
+def parse_patch(data: bytes, name: str) -> PatchFile:
+    """Parse one .patch file into the pure model; malformed input fails closed (exit 2)."""
+    from unidiff.patch import PatchSet  # lazy: only commands that read patches pay for it
+
+    if b"\x00" in data:
+        msg = f"{name}: contains NUL bytes (binary content)"
+        raise HostilePatch(msg, hint="m3patch applies text diffs only")
+    try:
+        patch_set = PatchSet(split_lines(decode(data)))
+    except Exception as exc:  # unidiff raises more than UnidiffParseError on bad input
+        msg = f"{name}: not a valid unified diff: {exc}"
+        raise UsageError(msg, hint="regenerate it with `git diff` or `diff -u`") from None
+    files: list[FilePatch] = []
+    for pf in patch_set:
+        info = str(pf.patch_info or "")
+        path = _check_file(pf, info, name)
+        hunks = []
+        for index, hunk in enumerate(pf, start=1):
+            old, new = _hunk_lines(hunk)
+            hunks.append(Hunk(index, hunk.source_start, tuple(old), hunk.target_start,
+                              tuple(new), str(hunk.section_header or "")))
+        modes = [int(m, 8) for m in _MODE_RE.findall(info)]
+        files.append(FilePatch(path, _file_kind(pf), tuple(hunks), modes[-1] if modes else None))
+    if not files:
+        msg = f"{name}: contains no file diffs"
+        raise UsageError(msg, hint="check that the file is a unified diff")
+    seen = [f.path for f in files]
+    if len(seen) != len(set(seen)):
+        msg = f"{name}: names the same file twice"
+        raise UsageError(msg, hint="merge the diffs of one file into one section")
+    return PatchFile(name, tuple(files))
+
+
+def safe_target(root: Path, rel: str) -> Path:
+    """The absolute target of a patch path, refusing symlinks on the way (HostilePatch)."""
+    check_rel_path(rel, str(root))
+    real_root = Path(os.path.realpath(root))
+    parts = PurePosixPath(rel).parts
+    current = root
+    for depth, part in enumerate(parts, start=1):
+        current = current / part
+        if not current.is_symlink():
+            continue
+        resolved = Path(os.path.realpath(current))
+        if depth == len(parts):
+            msg = f"{current}: the patch target is a symlink (-> {resolved})"
+            raise HostilePatch(msg, hint="m3patch never writes through a symlink")
+        if not resolved.is_relative_to(real_root):
+            msg = f"{current}: symlink points outside the tree (-> {resolved})"
+            raise HostilePatch(msg, hint="m3patch never writes through a symlink")
+    return current

@@ -1,0 +1,206 @@
+"""Pure series engine: per-file chains of patches, classification by hash then by hunk, post-images.
+
+A file touched by patches p1..pn has pinned hashes h0 (pristine) .. hn (fully patched). A file
+whose hash is some hk is exactly known; anything else is diagnosed hunk by hunk (forward and
+reverse probes) as partially applied or drifted, and refused. No I/O here: callers pass bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from m3patch import hunks as hk
+from m3patch.diffs import FilePatch, Hunk, PatchFile, decode, encode, split_lines
+from m3patch.errors import PatchConflict
+from m3patch.ledger import digest
+from m3patch.series import FilePin, PatchPin
+
+PRISTINE, APPLIED, PARTIAL, DRIFTED, UPSTREAM = (
+    "pristine", "applied", "partially applied", "drifted", "upstreamed")
+
+
+@dataclass(frozen=True)
+class Step:
+    patch_id: str
+    file: FilePatch
+    pin: FilePin
+
+
+@dataclass(frozen=True)
+class Chain:
+    path: str
+    steps: tuple[Step, ...]
+
+    @property
+    def hashes(self) -> tuple[str | None, ...]:
+        return (self.steps[0].pin.pre, *(s.pin.post for s in self.steps))
+
+
+@dataclass(frozen=True)
+class FileStatus:
+    path: str
+    state: str
+    stage: int | None  # index into chain.hashes when the file equals a pinned image
+    current: str | None
+    hunks: tuple[tuple[str, hk.HunkState], ...]  # (patch id, state) when off every pin
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    pre: str | None
+    post: str | None
+    data: bytes | None
+    offsets: tuple[tuple[str, hk.HunkState], ...] = ()
+
+
+def to_lines(data: bytes | None) -> list[str]:
+    return [] if data is None else split_lines(decode(data))
+
+
+def to_bytes(lines: list[str]) -> bytes:
+    return encode("".join(lines))
+
+
+def build_chains(patches: Sequence[tuple[PatchFile, PatchPin]]) -> tuple[Chain, ...]:
+    """Group every patch's file diffs by path, in series order."""
+    steps: dict[str, list[Step]] = {}
+    for patch, pin in patches:
+        pins = {f.path: f for f in pin.files}
+        for fp in patch.files:
+            if fp.path not in pins:
+                msg = f"{pin.file}: {fp.path} has no pin in series.lock.json"
+                raise PatchConflict(msg, hint="m3patch series lock --pristine")
+            steps.setdefault(fp.path, []).append(Step(pin.id, fp, pins[fp.path]))
+    return tuple(Chain(path, tuple(s)) for path, s in steps.items())
+
+
+def _step_bytes(step: Step, data: bytes | None) -> bytes | None:
+    """One patch's effect on one file, exact; None = the file is deleted."""
+    fp = step.file
+    if fp.kind == "add" and data is not None:
+        msg = f"{fp.path}: patch {step.patch_id} adds this file but it already exists"
+        raise PatchConflict(msg, hint="m3patch status shows what is there")
+    out = hk.apply_exact(to_lines(data), fp.hunks, fp.path)
+    if fp.kind == "delete":
+        if out:
+            msg = f"{fp.path}: patch {step.patch_id} deletes it, but lines remain after its hunks"
+            raise PatchConflict(msg, hint="regenerate the patch from the pristine tree")
+        return None
+    return to_bytes(out)
+
+
+def classify(chain: Chain, data: bytes | None) -> FileStatus:
+    current = None if data is None else digest(data)
+    hashes = chain.hashes
+    for stage in range(len(hashes) - 1, -1, -1):
+        if hashes[stage] == current:
+            state = APPLIED if stage == len(hashes) - 1 else PRISTINE if stage == 0 else PARTIAL
+            return FileStatus(chain.path, state, stage, current, ())
+    lines = to_lines(data)
+    states = tuple((s.patch_id, h) for s in chain.steps
+                   for h in hk.probe(lines, s.file.hunks, chain.path))
+    kinds = {h.state for _, h in states}
+    if kinds == {hk.APPLIED, hk.PENDING}:
+        state = PARTIAL
+    elif data is not None and all(hk.already_in(lines, s.file.hunks) for s in chain.steps):
+        state = UPSTREAM
+    else:
+        state = DRIFTED
+    return FileStatus(chain.path, state, None, current, states)
+
+
+def post_image(chain: Chain, stage: int, data: bytes | None) -> FilePlan:
+    """Apply the chain's remaining steps to a file at pinned `stage`; each step's result is
+    checked against its pin, so a lock that does not match its patches is caught here."""
+    for step in chain.steps[stage:]:
+        data = _step_bytes(step, data)
+        got = None if data is None else digest(data)
+        if got != step.pin.post:
+            msg = f"{chain.path}: patch {step.patch_id} gives sha256 {got}, lock pins {step.pin.post}"
+            raise PatchConflict(msg, hint="m3patch series lock --pristine (the lock is stale)")
+    return FilePlan(chain.path, chain.hashes[stage], chain.hashes[-1], data)
+
+
+def offset_image(chain: Chain, data: bytes | None) -> FilePlan:
+    """Porting mode: exact hunks at reported offsets on an unpinned file."""
+    pre = None if data is None else digest(data)
+    lines = to_lines(data)
+    offsets: list[tuple[str, hk.HunkState]] = []
+    deleted = False
+    for step in chain.steps:
+        if step.file.kind == "add" and (data is not None or offsets):
+            msg = f"{chain.path}: patch {step.patch_id} adds this file but it already exists"
+            raise PatchConflict(msg, hint="m3patch status shows what is there")
+        lines, states = hk.apply_offset(lines, step.file.hunks, chain.path)
+        offsets.extend((step.patch_id, s) for s in states)
+        deleted = step.file.kind == "delete"
+    if deleted:
+        if lines:
+            msg = f"{chain.path}: the delete leaves {len(lines)} lines (file differs from patch)"
+            raise PatchConflict(msg, hint="port the deletion by hand")
+        return FilePlan(chain.path, pre, None, None, tuple(offsets))
+    out = to_bytes(lines)
+    return FilePlan(chain.path, pre, digest(out), out, tuple(offsets))
+
+
+def _reversed(step: Step) -> tuple[Hunk, ...]:
+    return tuple(Hunk(h.index, h.new_start, h.new_lines, h.old_start, h.old_lines, h.header)
+                 for h in step.file.hunks)
+
+
+def pre_image(chain: Chain, stage: int, data: bytes | None, *, offset: bool = False) -> bytes | None:
+    """Undo steps stage..1 exactly (reverse hunks), checking each result against its pin."""
+    for step in reversed(chain.steps[:stage]):
+        if offset:
+            lines, _ = hk.apply_offset(to_lines(data), _reversed(step), chain.path)
+        else:
+            lines = hk.apply_exact(to_lines(data), _reversed(step), chain.path)
+        data = None if step.file.kind == "add" and not lines else to_bytes(lines)
+        got = None if data is None else digest(data)
+        if not offset and got != step.pin.pre:
+            msg = f"{chain.path}: undoing {step.patch_id} gives sha256 {got}, lock pins {step.pin.pre}"
+            raise PatchConflict(msg, hint="m3patch status shows the file's state")
+    return data
+
+
+def patch_states(chains: Sequence[Chain], statuses: Mapping[str, FileStatus]) -> dict[str, str]:
+    """Per patch: applied / pending / partially applied / conflict, from its files' stages."""
+    seen: dict[str, set[str]] = {}
+    for chain in chains:
+        status = statuses[chain.path]
+        for position, step in enumerate(chain.steps, start=1):
+            if status.stage is None:
+                state = "conflict" if status.state != UPSTREAM else UPSTREAM
+            else:
+                state = "applied" if status.stage >= position else "pending"
+            seen.setdefault(step.patch_id, set()).add(state)
+    return {pid: next(iter(s)) if len(s) == 1 else "conflict" if "conflict" in s else PARTIAL
+            for pid, s in seen.items()}
+
+
+def diagnosis(status: FileStatus) -> list[str]:
+    """Human lines: the file's state, then each hunk's state and first differing line."""
+    out = [f"{status.path}: {status.state} (sha256 {str(status.current)[:12]} matches no pin)"]
+    for patch_id, h in status.hunks:
+        tail = f": {h.detail}" if h.detail else ""
+        out.append(f"  {patch_id} hunk {h.index} @ line {h.line}: {h.state}{tail}")
+    return out
+
+
+def lock_pins(patches: Sequence[tuple[str, PatchFile, str]],
+              pristine: Mapping[str, bytes | None]) -> tuple[PatchPin, ...]:
+    """Pins for `series lock`: apply every patch in order, exactly, to the pristine files."""
+    current = dict(pristine)
+    pins: list[PatchPin] = []
+    for patch_id, patch, patch_sha in patches:
+        files: list[FilePin] = []
+        for fp in patch.files:
+            before = current.get(fp.path)
+            pre = None if before is None else digest(before)
+            after = _step_bytes(Step(patch_id, fp, FilePin(fp.path, pre, None)), before)
+            current[fp.path] = after
+            files.append(FilePin(fp.path, pre, None if after is None else digest(after)))
+        pins.append(PatchPin(patch_id, patch.name, patch_sha, tuple(files)))
+    return tuple(pins)

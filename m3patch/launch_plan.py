@@ -1,0 +1,108 @@
+"""From a recipe to a launch: the series' markers, the argv and env (pure), and the patched tree.
+
+`plan_launch` is pure (it reads the series manifest, nothing else), so `recipe show` and
+`serve --dry-run` print exactly what `serve` would run. `prepare_tree` is the effect: apply and
+verify the recipe's series on the tree the launch interpreter imports, fail closed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from m3patch import markers as mk
+from m3patch.errors import UsageError
+from m3patch.recipe import Recipe
+from m3patch.supervisor import LaunchSpec
+
+VLLM_MAIN = ("-m", "vllm.entrypoints.cli.main", "serve")
+PROVENANCE_PREFIX = "m3patch[provenance]: "
+# Keep all traffic on loopback and stop vLLM / HF from phoning home (shared/design/vllm-cpu.md).
+LOOPBACK_ENV = (
+    ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
+    ("DO_NOT_TRACK", "1"), ("VLLM_HOST_IP", "127.0.0.1"), ("PYTHONUNBUFFERED", "1"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    spec: LaunchSpec
+    env_overrides: tuple[tuple[str, str], ...]  # what m3patch and the recipe set on top of os.environ
+    markers: tuple[mk.MarkerSpec, ...]
+    marker_hint: str
+
+
+def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
+    """The markers the recipe's series declares for the recipe's platform."""
+    from m3patch.series import load_series
+
+    series = load_series(recipe.series_dir)
+    if series.target_version != recipe.target.vllm_version:
+        msg = (f"{recipe.path}: target.vllm-version {recipe.target.vllm_version} but series "
+               f"{series.id} targets {series.target_version}")
+        raise UsageError(msg, hint=f"point `series:` at patches/vllm-{recipe.target.vllm_version}")
+    manifest = recipe.series_dir / "series.yaml"
+    return tuple(
+        mk.MarkerSpec(m.id, "required" if m.kind == "required" else "forbidden",
+                      m.text if m.text is not None else mk.REGEX_PREFIX + (m.regex or ""),
+                      f"patch {m.patch_id} in {manifest}")
+        for m in series.markers_for(recipe.target.platform)
+    )
+
+
+def all_markers(recipe: Recipe, ledger_sha256: str | None) -> tuple[mk.MarkerSpec, ...]:
+    """Series markers (recipe counts applied), the recipe's own, and the exact ledger digest."""
+    from_series = series_markers(recipe)
+    merged = mk.merge_markers(from_series, recipe.markers, dict(recipe.marker_counts))
+    provenance = any(m.text.startswith(PROVENANCE_PREFIX) for m in from_series)
+    if ledger_sha256 is None or not provenance:
+        return merged
+    # The server must report the very ledger this run's apply left, not just any patched tree.
+    exact = mk.MarkerSpec("provenance-ledger", "required", f"ledger=sha256:{ledger_sha256}",
+                          "m3patch serve (the ledger apply just verified)")
+    return (*merged, exact)
+
+
+def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
+                ledger_sha256: str | None) -> LaunchPlan:
+    overrides = dict(LOOPBACK_ENV)
+    overrides.update(recipe.env)  # the recipe wins: it may know better for its platform
+    env = {**os.environ, **overrides}
+    args = list(recipe.serve_args())
+    args[args.index("--port") + 1] = str(port)
+    fix = f"m3patch serve {recipe.path}"
+    hint = (f"check the backend the log chose (recipe env / vllm-args); re-check a saved log "
+            f"with `m3patch markers check {log_path} --recipe {recipe.path}`; re-run: {fix}")
+    spec = LaunchSpec(
+        argv=(python, *VLLM_MAIN, *args), env=env, log_path=log_path,
+        base_url=f"http://{recipe.host}:{port}", served_model=recipe.model.served_name,
+        ready_deadline_s=recipe.deadlines.ready_s, request_deadline_s=recipe.deadlines.request_s,
+        fix_hint=fix,
+    )
+    return LaunchPlan(spec, tuple(overrides.items()), all_markers(recipe, ledger_sha256), hint)
+
+
+def check_model(recipe: Recipe) -> None:
+    model = recipe.model
+    for what, path in (("model", model.source), ("tokenizer", model.tokenizer)):
+        if model.is_local and not Path(path, "config.json" if what == "model" else "").exists():
+            msg = f"{recipe.path}: {what} directory {path} does not exist (or has no config.json)"
+            raise UsageError(msg, hint=f"python scripts/make_tiny_model.py {path}  (or fix model.source)")
+
+
+def prepare_tree(recipe: Recipe, python: str) -> str:
+    """Apply and verify the series on the tree `python` imports; the ledger's sha256 hex."""
+    from m3patch.apply_api import apply_series, verify_tree
+    from m3patch.ledger import digest, ledger_path
+    from m3patch.locate import find_vllm
+    from m3patch.output import info
+    from m3patch.series import load_series
+
+    check_model(recipe)
+    series = load_series(recipe.series_dir)
+    tree = find_vllm(python=python)
+    report = apply_series(tree, series)
+    verify_tree(tree, series).raise_for_failure()
+    info(report.summary().removeprefix("m3patch: "))
+    return digest(ledger_path(tree.root).read_bytes())

@@ -1,0 +1,103 @@
+"""The ledger: a versioned record, inside the vLLM tree, of what m3patch last applied.
+
+`<root>/vllm/.m3patch/ledger.json`. It is a record, not the truth: status and verify classify
+files by content hash and only compare with the ledger to say when it is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from m3patch import __version__
+from m3patch.errors import TreeIOError
+
+LEDGER_SCHEMA = 1
+STATE_DIR = ".m3patch"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file's bytes; None when it does not exist."""
+    try:
+        return digest(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        msg = f"{path}: cannot read: {exc.strerror}"
+        raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
+
+
+def state_dir(root: Path) -> Path:
+    return root / "vllm" / STATE_DIR
+
+
+def ledger_path(root: Path) -> Path:
+    return state_dir(root) / "ledger.json"
+
+
+@dataclass(frozen=True)
+class LedgerFile:
+    path: str
+    pre: str | None
+    post: str | None
+
+
+@dataclass(frozen=True)
+class Ledger:
+    schema: int
+    tool: str
+    series: str
+    mode: str  # 'strict' | 'offset'
+    vllm_version: str
+    vllm_commit: str | None
+    version_note: str
+    patches: tuple[str, ...]
+    files: tuple[LedgerFile, ...]
+    time: str
+
+    def to_bytes(self) -> bytes:
+        data = asdict(self)
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def new_ledger(*, series: str, mode: str, vllm_version: str, vllm_commit: str | None,
+               version_note: str, patches: tuple[str, ...],
+               files: tuple[LedgerFile, ...]) -> Ledger:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return Ledger(LEDGER_SCHEMA, f"m3patch {__version__}", series, mode, vllm_version,
+                  vllm_commit, version_note, patches, files, stamp)
+
+
+def parse_ledger(data: bytes, where: str) -> Ledger:
+    try:
+        raw = json.loads(data)
+        if raw["schema"] != LEDGER_SCHEMA:
+            msg = f"{where}: ledger schema {raw['schema']} is not {LEDGER_SCHEMA}"
+            raise TreeIOError(msg, hint="m3patch revert with the m3patch that wrote it")
+        files = tuple(LedgerFile(f["path"], f["pre"], f["post"]) for f in raw["files"])
+        return Ledger(raw["schema"], raw["tool"], raw["series"], raw["mode"],
+                      raw["vllm_version"], raw["vllm_commit"], raw["version_note"],
+                      tuple(raw["patches"]), files, raw["time"])
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"{where}: corrupt ledger ({type(exc).__name__}: {exc})"
+        raise TreeIOError(msg, hint="m3patch apply rewrites it from the files") from None
+
+
+def read_ledger(root: Path) -> Ledger | None:
+    """The ledger of the tree rooted at `root`, or None when nothing was recorded."""
+    path = ledger_path(root)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        msg = f"{path}: cannot read: {exc.strerror}"
+        raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
+    return parse_ledger(data, str(path))

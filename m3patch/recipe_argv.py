@@ -1,0 +1,109 @@
+"""Flatten a recipe's `vllm-args` mapping into `vllm serve` arguments, the way `--config` does.
+
+`vllm serve --config` turns `key: true` into `--key`, a list into `--key a b`, a nested mapping
+into `--key '<json>'`, and `key: false` into `--no-key` only when that option exists, silently
+dropping it otherwise. m3patch keeps the first three rules and makes the last one an error: a
+`false` the server would ignore is a recipe that does not do what it says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from m3patch.schema import SchemaError, at_key
+
+# Boolean options registered with BooleanOptionalAction (so `--no-X` exists) in vLLM 0.32.0 and
+# 0.33.0: the bool fields of EngineArgs and FrontendArgs, minus those added with
+# action="store_true". Taken from an AST scan of both pristine wheels
+# (vllm/engine/arg_utils.py, vllm/entrypoints/*/cli_args.py); refresh it with each new series.
+NEGATABLE_FLAGS = frozenset((
+    "allow-credentials", "allow-deprecated-quantization", "async-scheduling",
+    "cohere-is-reasoning-model", "cudagraph-metrics", "data-parallel-hybrid-lb",
+    "dcp-q-replicate", "disable-cascade-attn", "disable-chunked-mm-input",
+    "disable-custom-all-reduce", "disable-fastapi-docs", "disable-hybrid-kv-cache-manager",
+    "disable-nccl-for-dp-synchronization", "disable-sliding-window",
+    "disable-uvicorn-access-log", "enable-auto-tool-choice", "enable-batch-sharded-sampling",
+    "enable-chunked-prefill", "enable-cumem-allocator", "enable-dbo", "enable-elastic-ep",
+    "enable-ep-weight-filter", "enable-eplb", "enable-expert-parallel",
+    "enable-fault-tolerance", "enable-flash-late-interaction", "enable-flashinfer-autotune",
+    "enable-force-include-usage", "enable-hc-sp", "enable-layerwise-nvtx-tracing",
+    "enable-log-deltas", "enable-log-outputs", "enable-log-requests",
+    "enable-logging-iteration-details", "enable-lora", "enable-mamba-cache-stochastic-rounding",
+    "enable-mamba-shared-prefix-checkpoint", "enable-mfu-metrics",
+    "enable-mixed-moe-lora-format", "enable-mm-embeds", "enable-mm-processor-stats",
+    "enable-moe-shared-loras", "enable-nccl-comm-suspend", "enable-offline-docs",
+    "enable-per-request-metrics", "enable-prefix-caching", "enable-prompt-embeds",
+    "enable-prompt-tokens-details", "enable-request-id-headers", "enable-return-routed-experts",
+    "enable-scale-out", "enable-server-load-tracking", "enable-shm-tensor-arena",
+    "enable-sleep-mode", "enable-ssl-refresh", "enable-tokenizer-info-endpoint",
+    "enable-tower-connector-lora", "enable-trace-replay", "enforce-eager",
+    "exclude-tools-when-tool-choice-none", "fail-on-environ-validation", "fully-sharded-loras",
+    "interleave-mm-strings", "jit-monitor-verbose", "kv-cache-metrics",
+    "kv-sharing-fast-prefill", "language-model-only", "log-error-stack",
+    "long-prefill-token-threshold-adaptive", "mm-device-do-normalize", "mm-encoder-only",
+    "monokernel", "numa-bind", "ray-workers-use-nsight", "return-sampling-mask",
+    "return-tokens-as-token-ids", "scheduler-reserve-full-isl", "skip-mm-profiling",
+    "skip-tokenizer-init", "sleep-mode-offload-cudagraph", "specialize-active-lora",
+    "swa-bounded-replay", "tokens-only", "trust-remote-code", "trust-request-chat-template",
+    "trust-request-mm-kwargs", "use-fp64-gumbel", "use-replayssm", "use-tqdm-on-load",
+))
+
+# Set by m3patch itself from other recipe sections; a recipe must not set them twice.
+RESERVED_FLAGS = {
+    "model": "model.source", "model-tag": "model.source", "host": "server.host",
+    "port": "server.port", "served-model-name": "model.served-name",
+    "tensor-parallel-size": "parallelism.tp", "data-parallel-size": "parallelism.dp",
+    "speculative-config": "speculative", "config": "(m3patch passes arguments itself)",
+}
+
+
+def _scalar(value: object) -> str:
+    if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
+        msg = f"expected a string or number, got {type(value).__name__}"
+        raise SchemaError(msg)
+    return str(value)
+
+
+def _one_flag(key: str, value: Any) -> list[str]:
+    flag = f"--{key}"
+    if value is True:
+        return [flag]
+    if value is False:
+        if key not in NEGATABLE_FLAGS:
+            msg = (f"`{key}: false` would be dropped silently by vLLM: --{key} has no --no-{key} "
+                   "form; remove the key (off is its default)")
+            raise SchemaError(msg)
+        return [f"--no-{key}"]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value, separators=(",", ":"), sort_keys=False)]
+    if isinstance(value, list):
+        if not value:
+            msg = "an empty list would be dropped silently by vLLM; remove the key"
+            raise SchemaError(msg)
+        items = []
+        for index, item in enumerate(value):
+            with at_key(index):
+                items.append(_scalar(item))
+        return [flag, *items]
+    if value is None:
+        msg = "null is not a value; remove the key"
+        raise SchemaError(msg)
+    return [flag, _scalar(value)]
+
+
+def flatten_vllm_args(args: Mapping[str, Any]) -> tuple[str, ...]:
+    """`{'max-model-len': 512, 'enforce-eager': True}` -> `('--max-model-len', '512', '--enforce-eager')`."""
+    argv: list[str] = []
+    for raw_key, value in args.items():
+        with at_key(raw_key):
+            key = raw_key.replace("_", "-")
+            if raw_key.startswith("-") or not key:
+                msg = f"write the option name without dashes, e.g. {raw_key.lstrip('-')!r}"
+                raise SchemaError(msg)
+            if key in RESERVED_FLAGS:
+                msg = f"set this through {RESERVED_FLAGS[key]} instead"
+                raise SchemaError(msg)
+            argv.extend(_one_flag(key, value))
+    return tuple(argv)

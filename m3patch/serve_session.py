@@ -1,0 +1,118 @@
+"""ServeSession: a patched, verified, marker-gated `vllm serve` for the length of a `with` block.
+
+    from m3patch.recipe import load_recipe
+    from m3patch.serve_session import ServeSession
+
+    recipe = load_recipe(Path("recipes/cpu_tiny_moe.yaml"))
+    with ServeSession(recipe, run_dir) as server:       # apply + verify, start, ready, markers
+        server.base_url, server.model, server.tokenizer   # for `vllm bench serve`
+        server.check_alive()                             # between sweep cells: raises on a
+                                                         # dead server, a forbidden marker, or
+                                                         # the recipe's run deadline
+    # leaving the block stops the whole process group (also on an exception)
+
+Entering applies and verifies the recipe's series first; vLLM never starts on a tree that failed.
+Errors are M3PatchError subclasses (exit codes in errors.py): ServerExited 10, ReadyTimeout 11,
+MarkerMissing 12, MarkerForbidden 13, RunDeadline 15, ServerDied 18. `server.log` and
+`serve.json` (argv, env overrides, marker counts, timings) are written to `run_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from m3patch.errors import RunDeadline
+from m3patch.launch_plan import LaunchPlan, plan_launch, prepare_tree
+from m3patch.markers import MarkerChecker
+from m3patch.recipe import Recipe
+from m3patch.supervisor import Supervisor
+
+READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the ready reply
+
+
+class ServeSession:
+    def __init__(self, recipe: Recipe, run_dir: Path, *, python: str | None = None,
+                 port: int | None = None, echo: Callable[[str], None] | None = None) -> None:
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.python = python or recipe.target.python or sys.executable
+        self.port = port or recipe.port
+        self.echo = echo
+        self.plan: LaunchPlan | None = None
+        self.supervisor: Supervisor | None = None
+        self.ready_s: float | None = None
+        self.exit_status: int | None = None
+        self._started = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.recipe.host}:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return self.recipe.model.served_name
+
+    @property
+    def tokenizer(self) -> str:
+        return self.recipe.model.tokenizer
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "server.log"
+
+    def __enter__(self) -> ServeSession:
+        self._started = time.monotonic()
+        ledger = prepare_tree(self.recipe, self.python)
+        self.plan = plan_launch(self.recipe, self.python, self.port, self.log_path, ledger)
+        checker = MarkerChecker(self.plan.markers, log_name=str(self.log_path))
+        self.supervisor = Supervisor(self.plan.spec, checker, echo=self.echo)
+        try:
+            self.supervisor.start()
+            self.ready_s = self.supervisor.wait_ready()
+            time.sleep(READY_SETTLE_S)
+            self.supervisor.gate_markers(hint=self.plan.marker_hint)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def check_alive(self) -> None:
+        assert self.supervisor is not None, "use ServeSession as a context manager"
+        self.supervisor.check_alive()
+        elapsed = time.monotonic() - self._started
+        if elapsed > self.recipe.deadlines.run_s:
+            msg = (f"run of recipe {self.recipe.path} passed its deadline "
+                   f"({elapsed:.0f} s > deadlines.run-s {self.recipe.deadlines.run_s:.0f})")
+            raise RunDeadline(msg, hint="raise deadlines.run-s or shorten the sweep")
+
+    def stop(self) -> None:
+        if self.supervisor is None or self.supervisor.proc is None:
+            return
+        if self.exit_status is None:
+            self.exit_status = self.supervisor.stop()
+            self._write_summary()
+
+    def _write_summary(self) -> None:
+        assert self.plan is not None and self.supervisor is not None
+        checker = self.supervisor.checker
+        summary = {
+            "recipe": str(self.recipe.path), "pgid": self.supervisor.pgid, "argv": list(self.plan.spec.argv),
+            "env": dict(self.plan.env_overrides), "base_url": self.base_url,
+            "ready_s": self.ready_s, "exit_status": self.exit_status,
+            "markers": {m.id: checker.counts.get(m.id, 0) for m in self.plan.markers},
+            "violation": None if self.supervisor.violation is None
+            else self.supervisor.violation.where(str(self.log_path)),
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "serve.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(self.run_dir / "serve.json")

@@ -1,0 +1,267 @@
+"""Run `vllm serve` as a supervised child: own process group, full log, marker gate, clean stop.
+
+- The server starts in a new session, so its whole tree (API server, EngineCore, workers) shares
+  one process group that `stop()` signals together: SIGINT, then SIGTERM, then SIGKILL.
+- A reader thread copies every byte of output to the run's log file, feeds the marker checker,
+  echoes lines for the live view, and on a forbidden marker interrupts the server at once.
+- Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
+  `/health` and then dies on the first request, so health alone proves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
+from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
+
+POLL_S = 0.5
+TAIL_LINES = 15
+STOP_GRACE_S = (20.0, 10.0, 5.0)  # after SIGINT, after SIGTERM, after SIGKILL
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    log_path: Path
+    base_url: str
+    served_model: str
+    ready_deadline_s: float
+    request_deadline_s: float
+    fix_hint: str  # the command that re-runs this launch, for error messages
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids whose process group is `pgid`, from /proc (no psutil)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the ")" that closes the command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+class Supervisor:
+    """One server process tree. Use `start()`, `wait_ready()`, `check_alive()`, `stop()`."""
+
+    def __init__(self, spec: LaunchSpec, checker: MarkerChecker,
+                 echo: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.checker = checker
+        self.echo = echo
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.violation: MarkerHit | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._stopping = False  # after we ask it to stop, shutdown noise is not a violation
+        checker.on_line = self._on_line
+
+    @property
+    def pgid(self) -> int:
+        assert self.proc is not None, "start() first"
+        return self.proc.pid  # start_new_session makes the child its group's leader
+
+    def start(self) -> None:
+        _require_free_port(self.spec.base_url)
+        try:
+            self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self.spec.log_path.open("wb")
+        except OSError as exc:
+            msg = f"{self.spec.log_path}: cannot write the server log: {exc.strerror}"
+            raise TreeIOError(msg, hint="choose a writable results folder (--run-dir)") from None
+        try:
+            self.proc = subprocess.Popen(
+                self.spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, env=dict(self.spec.env), start_new_session=True)
+        except OSError as exc:
+            log.close()
+            msg = f"cannot start {self.spec.argv[0]}: {exc.strerror}"
+            raise ServerExited(msg, hint=self.spec.fix_hint) from None
+        self._reader = threading.Thread(target=self._pump, args=(log,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, log: BinaryIO) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        with log:
+            while chunk := os.read(fd, 65536):
+                log.write(chunk)
+                log.flush()
+                self._consume(chunk)
+            with self._lock:
+                self._record(self.checker.finish())
+
+    def _consume(self, chunk: bytes) -> None:
+        with self._lock:
+            self._record(self.checker.feed(chunk))
+
+    def _on_line(self, line: str) -> None:
+        self.tail.append(line)
+        if self.echo is not None:
+            self.echo(line)
+
+    def _record(self, hits: list[MarkerHit]) -> None:
+        if hits and self.violation is None and not self._stopping:
+            self.violation = hits[0]
+            self._signal(signal.SIGINT)  # the run is invalid: stop burning time on it
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def _tail_text(self) -> str:
+        with self._lock:
+            return "\n".join(self.tail)
+
+    def raise_if_violation(self) -> None:
+        if self.violation is not None:
+            raise forbidden_error(self.violation, str(self.spec.log_path),
+                                  hint=f"fix the launch, then: {self.spec.fix_hint}")
+
+    def gate_markers(self, *, hint: str) -> None:
+        """At readiness: no forbidden marker so far, every required one seen (right count)."""
+        with self._lock:
+            self.checker.raise_if_forbidden(hint=hint)
+            self.checker.raise_if_missing(hint=hint)
+
+    def wait_ready(self) -> float:
+        """Seconds from start to ready; raises on exit, deadline or a forbidden marker."""
+        start = time.monotonic()
+        deadline = start + self.spec.ready_deadline_s
+        while True:
+            self.raise_if_violation()
+            code = self.exit_code()
+            if code is not None:
+                self._join_reader()
+                self.raise_if_violation()
+                msg = (f"vllm serve exited with status {code} before it was ready "
+                       f"(log {self.spec.log_path}); last lines:\n{self._tail_text()}")
+                raise ServerExited(msg, hint=f"fix the error above, then: {self.spec.fix_hint}")
+            if time.monotonic() >= deadline:
+                msg = (f"vllm serve was not ready after {self.spec.ready_deadline_s:.0f} s "
+                       f"(log {self.spec.log_path}); last lines:\n{self._tail_text()}")
+                raise ReadyTimeout(msg, hint="raise deadlines.ready-s in the recipe, or fix the "
+                                             f"start-up, then: {self.spec.fix_hint}")
+            if self._probe(deadline):
+                return time.monotonic() - start
+            time.sleep(POLL_S)
+
+    def _probe(self, deadline: float) -> bool:
+        timeout = max(0.5, min(self.spec.request_deadline_s, deadline - time.monotonic()))
+        if _http(f"{self.spec.base_url}/health", None, min(timeout, 5.0)) is None:
+            return False
+        body = {"model": self.spec.served_model, "prompt": "m3patch readiness probe",
+                "max_tokens": 4, "temperature": 0}
+        reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout)
+        return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
+    def check_alive(self) -> None:
+        """During a sweep: a forbidden marker or a dead server ends the run."""
+        self.raise_if_violation()
+        code = self.exit_code()
+        if code is not None:
+            self._join_reader()
+            self.raise_if_violation()
+            msg = (f"vllm serve died after it was ready (status {code}, log "
+                   f"{self.spec.log_path}); last lines:\n{self._tail_text()}")
+            raise ServerDied(msg, hint=f"fix the error above, then: {self.spec.fix_hint}")
+
+    def stop(self) -> int | None:
+        """SIGINT, then SIGTERM, then SIGKILL to the whole group; returns the leader's status."""
+        if self.proc is None:
+            return None
+        self._stopping = True
+        with _signals_held():
+            return self._escalate()
+
+    def _escalate(self) -> int | None:
+        assert self.proc is not None
+        for sig, grace in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), STOP_GRACE_S, strict=True):
+            if self.proc.poll() is None or group_members(self.pgid):
+                self._signal(sig)
+                self._wait_group(grace)
+        self._join_reader()
+        return self.proc.poll()
+
+    def _wait_group(self, grace: float) -> None:
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            assert self.proc is not None
+            if self.proc.poll() is not None and not group_members(self.pgid):
+                return
+            time.sleep(0.1)
+
+    def _join_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=10.0)
+
+
+def _require_free_port(base_url: str) -> None:
+    """Someone else's server on our port would answer our readiness probe: refuse to start."""
+    parsed = urllib.parse.urlsplit(base_url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        if sock.connect_ex((host, port)) != 0:
+            return
+    msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
+    raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """A second Ctrl-C must not abort the stop half-way and orphan the server tree."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _http(url: str, body: dict[str, object] | None, timeout: float) -> dict[str, object] | None:
+    """GET (body None) or POST JSON on loopback; the parsed reply on 200, else None."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            if reply.status != 200:
+                return None
+            raw = reply.read()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    try:
+        parsed = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else {}

@@ -1,0 +1,155 @@
+"""Check and time one tile config of the fused-MoE kernel on the GPU at hand.
+
+A timed unit is what vLLM runs per MoE layer with one config: GEMM1 (w13) then GEMM2 (w2, routed
+weights applied). Both kernels for every rotation set are captured in one CUDA graph, so host
+launch overhead stays out; device events bracket each replay and the median is kept. The
+rotation sets differ in activations and routing, and together they touch more bytes than the L2
+holds, so each replay reads its weights from HBM as a real decode step would.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from m3patch.tune import inputs
+from m3patch.tune.launch import GemmArgs, launch
+from m3patch.tune.shapes import MoEShape
+from m3patch.tune.space import TileConfig, uses_naive_assignment
+
+TOLERANCE = 2e-2  # relative Frobenius error; fp8 products accumulate in fp32, output is bf16
+L2_ROTATE_FACTOR = 3  # bytes touched across rotation sets >= 3x L2
+MAX_ROTATIONS = 16
+
+
+class ConfigFailed(Exception):
+    """A config that does not compile, does not fit, or computes a wrong result."""
+
+
+@dataclass
+class BatchSetup:
+    batch: int
+    problems: list[inputs.Problem]
+    ref1: Any
+    ref2: Any
+    c1: list[Any]
+    c2: list[Any]
+    aligned: dict[int, list[inputs.Alignment]] = field(default_factory=dict)
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+
+def bytes_touched(shape: MoEShape, batch: int) -> float:
+    """Expected weight bytes one GEMM1+GEMM2 pass reads (experts hit under uniform routing)."""
+    elem = 1 if shape.dtype == "fp8_w8a8" else 2
+    per_expert = 3 * shape.width * shape.hidden * elem
+    miss = (1 - shape.top_k / shape.num_experts) ** batch
+    return shape.num_experts * (1 - miss) * per_expert
+
+
+def rotations_for(shape: MoEShape, batch: int) -> int:
+    need = L2_ROTATE_FACTOR * l2_bytes() / max(bytes_touched(shape, batch), 1.0)
+    return max(2, min(MAX_ROTATIONS, math.ceil(need)))
+
+
+class MoEBench:
+    """Weights for one shape, inputs per batch size, and check/time of configs."""
+
+    def __init__(self, kernel: Any, shape: MoEShape, *, seed: int = 0) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        self.kernel = kernel
+        self.shape = shape
+        self.device = "cuda"
+        self.capability = torch.cuda.get_device_capability()
+        self.weights = inputs.make_weights(shape, self.device, seed)
+        self.seed = seed
+        self._setup: BatchSetup | None = None
+
+    def setup(self, batch: int, rotations: int | None = None) -> BatchSetup:
+        if self._setup is not None and self._setup.batch == batch:
+            return self._setup
+        self._setup = None
+        torch.cuda.empty_cache()
+        shape, dev = self.shape, self.device
+        gen = torch.Generator(device=dev).manual_seed(self.seed * 1000003 + batch)
+        deq13, deq2 = inputs.dequantized(self.weights, shape)
+        first, ref1 = inputs.make_problem(shape, batch, deq13, gen, dev)
+        ref2 = inputs.reference_gemm2(first, deq2)
+        del deq13, deq2
+        count = rotations if rotations is not None else rotations_for(shape, batch)
+        problems = [first] + [inputs.random_problem(shape, batch, gen, dev)
+                              for _ in range(count - 1)]
+        c1 = [torch.empty((batch, shape.top_k, 2 * shape.width), dtype=torch.bfloat16,
+                          device=dev) for _ in problems]
+        c2 = [torch.empty((batch, shape.top_k, shape.hidden), dtype=torch.bfloat16,
+                          device=dev) for _ in problems]
+        self._setup = BatchSetup(batch, problems, ref1, ref2, c1, c2)
+        return self._setup
+
+    def _alignments(self, setup: BatchSetup, block_m: int) -> list[inputs.Alignment]:
+        if block_m not in setup.aligned:
+            naive = uses_naive_assignment(self.shape, setup.batch)
+            setup.aligned[block_m] = [
+                inputs.naive_alignment(p.topk_ids, block_m) if naive
+                else inputs.moe_align_block_size(p.topk_ids, block_m, self.shape.num_experts)
+                for p in setup.problems]
+        return setup.aligned[block_m]
+
+    def _launch_set(self, setup: BatchSetup, cfg: TileConfig, index: int) -> None:
+        prob, align = setup.problems[index], self._alignments(setup, cfg.block_m)[index]
+        w = self.weights
+        gemm1 = GemmArgs(prob.a, w.w13, setup.c1[index], prob.a_scale, w.w13_scale,
+                         prob.topk_weights, align, False, self.shape.top_k)
+        gemm2 = GemmArgs(prob.inter, w.w2, setup.c2[index], prob.inter_scale, w.w2_scale,
+                         prob.topk_weights, align, True, 1)
+        for args in (gemm1, gemm2):
+            launch(self.kernel, args, cfg, block_shape=self.shape.block_shape,
+                   capability=self.capability)
+
+    def check(self, setup: BatchSetup, cfg: TileConfig) -> float:
+        """Poison the outputs, run rotation set 0, compare both GEMMs with the reference."""
+        setup.c1[0].fill_(float("nan"))
+        setup.c2[0].fill_(float("nan"))
+        try:
+            self._launch_set(setup, cfg, 0)
+            torch.cuda.synchronize()
+        except Exception as exc:  # compile errors, OutOfResources: the config is unusable
+            msg = f"{cfg.key}: {type(exc).__name__}: {str(exc)[:200]}"
+            raise ConfigFailed(msg) from exc
+        errors = [relative_error(setup.c1[0], setup.ref1), relative_error(setup.c2[0], setup.ref2)]
+        worst = max(errors)
+        if not worst <= TOLERANCE:  # also catches NaN: an unwritten or poisoned element
+            msg = f"{cfg.key}: relative error {worst:.3g} > {TOLERANCE}"
+            raise ConfigFailed(msg)
+        return worst
+
+    def time(self, setup: BatchSetup, cfg: TileConfig, reps: int) -> float:
+        """Median microseconds of one GEMM1+GEMM2 pass, over `reps` graph replays."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for index in range(len(setup.problems)):
+                self._launch_set(setup, cfg, index)
+        graph.replay()  # warm-up: first replay uploads the graph
+        cuda: Any = torch.cuda  # torch's Event constructor is untyped
+        starts = [cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [cuda.Event(enable_timing=True) for _ in range(reps)]
+        for start, end in zip(starts, ends, strict=True):
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        del graph
+        per_pass = [s.elapsed_time(e) * 1000 / len(setup.problems) for s, e in zip(starts, ends, strict=True)]
+        return float(statistics.median(per_pass))
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    diff = (out.float() - ref).norm().item()
+    return float(diff / max(ref.norm().item(), 1e-30))

@@ -1,0 +1,117 @@
+"""One `m3patch tune` run: precompile, tune every shape, write tables. The effects live here.
+
+Imports torch/triton (through runner) at module level: only the tune command imports this,
+and only inside `run()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from m3patch.errors import RunDeadline, UsageError
+from m3patch.output import info
+from m3patch.tune import compile_pool
+from m3patch.tune.cache import ResultCache
+from m3patch.tune.kernel_source import KernelSource, load_kernel
+from m3patch.tune.naming import table_file_name
+from m3patch.tune.runner import MoEBench
+from m3patch.tune.shapes import MoEShape
+from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
+from m3patch.tune.tuner import BatchBest, Progress, TuneOptions, tune_shape
+from m3patch.tune.writer import Provenance, write_table
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    shapes: tuple[MoEShape, ...]
+    batches: tuple[int, ...]
+    axes: SpaceAxes
+    out_dir: Path
+    cache_path: Path
+    vllm_source: Path | None
+    workers: int
+    options: TuneOptions
+    device_name: str | None
+    command: str
+    precompile: bool = True
+
+
+def driver_version() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "unknown"
+    proc = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=False, timeout=30)
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout else "unknown"
+
+
+def _require_gpu() -> None:
+    if not torch.cuda.is_available():
+        msg = "m3patch tune needs a CUDA GPU (torch.cuda.is_available() is False)"
+        raise UsageError(msg, hint="run it on the GPU machine the table is for")
+
+
+def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]]) -> None:
+    """Failures are only logged: the timing pass re-checks every config and records them."""
+    jobs = [job for shape, plan in zip(spec.shapes, plans, strict=True)
+            for job in compile_pool.make_jobs(shape, plan, chunk=8)]
+    total = sum(len(job[2]) for job in jobs)
+    progress = Progress(total, "compile")
+    started = time.monotonic()
+    with progress.running():
+        failures = compile_pool.precompile(jobs, workers=spec.workers,
+                                           vllm_source=spec.vllm_source,
+                                           on_done=progress.advance)
+    info(f"precompiled {total} (config, batch) launches in {time.monotonic() - started:.0f} s "
+         f"with {spec.workers} workers; {len(failures)} failed")
+
+
+def _provenance(spec: TuneSpec, source: KernelSource, shape: MoEShape,
+                best: dict[int, BatchBest]) -> Provenance:
+    return Provenance(
+        device=torch.cuda.get_device_name(), driver=driver_version(),
+        torch=torch.__version__, triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        command=spec.command, kernel_origin=source.origin, kernel_sha256=source.source_sha256,
+        shape=shape.key, timings_us={b: r.us for b, r in best.items()})
+
+
+def run_tune(spec: TuneSpec) -> list[Path]:
+    _require_gpu()
+    source = load_kernel(spec.vllm_source)
+    plans = [space_for_shape(shape, spec.batches, spec.axes) for shape in spec.shapes]
+    cache = ResultCache(spec.cache_path)
+    if spec.precompile and spec.workers > 0:
+        _precompile(spec, plans)
+    written: list[Path] = []
+    unfinished: list[str] = []
+    device = spec.device_name or torch.cuda.get_device_name()
+    for shape, plan in zip(spec.shapes, plans, strict=True):
+        bench = MoEBench(source.kernel, shape)
+        progress = Progress(sum(len(c) for c in plan.values()), f"tune {shape.key}")
+        with progress.running():
+            best = tune_shape(bench, plan, cache, spec.options, progress)
+        del bench
+        torch.cuda.empty_cache()
+        missing = [b for b in plan if b not in best]
+        if missing:
+            unfinished.append(f"{shape.key}: batch sizes {missing}")
+            continue
+        path = write_table(spec.out_dir, table_file_name(shape, device),
+                           {b: r.config for b, r in best.items()},
+                           _provenance(spec, source, shape, best))
+        info(f"wrote {path}")
+        written.append(path)
+    if unfinished:
+        msg = "tuning stopped before finishing " + "; ".join(unfinished)
+        raise RunDeadline(msg, hint=f"re-run the same command: finished results resume from "
+                                    f"{spec.cache_path}")
+    return written

@@ -1,0 +1,147 @@
+"""Tune one shape: per batch size, check every config, time it briefly, refine the best few.
+
+Every finished measurement goes to the resumable cache first; a run past its deadline stops
+between configs and reports which batch sizes it finished.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.runner import ConfigFailed, MoEBench
+from m3patch.tune.shapes import MoEShape
+from m3patch.tune.space import TileConfig
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    quick_reps: int = 5
+    refine_reps: int = 25
+    refine_top: int = 4
+    deadline: float | None = None  # time.monotonic() value
+
+
+@dataclass(frozen=True)
+class BatchBest:
+    batch: int
+    config: TileConfig
+    us: float
+    timed: int
+    failed: int
+
+
+class Progress:
+    """A rich progress bar where rich is importable, else one line per step."""
+
+    def __init__(self, total: int, description: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._done = 0
+        self.total = total
+        self.description = description
+
+    @contextmanager
+    def running(self) -> Iterator[Progress]:
+        try:
+            from rich.progress import Progress as RichProgress
+
+            from m3patch.output import console
+        except ImportError:
+            yield self
+            return
+        with RichProgress(console=console(), transient=False) as bar:
+            self._bar, self._task = bar, bar.add_task(self.description, total=self.total)
+            yield self
+        self._bar = None
+
+    def advance(self, count: int = 1) -> None:
+        self._done += count
+        if self._bar is not None:
+            self._bar.update(self._task, advance=count)
+
+    def log(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.console.log(message)
+        else:
+            print(f"m3patch tune: [{self._done}/{self.total}] {message}", file=sys.stderr,
+                  flush=True)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[TileConfig],
+                cache: ResultCache, opts: TuneOptions, progress: Progress
+                ) -> tuple[list[tuple[float, TileConfig]], int] | None:
+    setup = None
+    timed: list[tuple[float, TileConfig]] = []
+    failed = 0
+    for cfg in configs:
+        if _past(opts.deadline):
+            return None
+        progress.advance()
+        if cache.failed(shape.key, batch, cfg.key):
+            failed += 1
+            continue
+        hit = cache.get(shape.key, batch, cfg.key, "quick")
+        if hit is not None and hit.us is not None:
+            timed.append((hit.us, cfg))
+            continue
+        setup = setup or bench.setup(batch)
+        try:
+            error = bench.check(setup, cfg)
+        except ConfigFailed as exc:
+            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            failed += 1
+            continue
+        us = bench.time(setup, cfg, opts.quick_reps)
+        cache.add(Result(shape.key, batch, cfg.key, "quick", us, error))
+        timed.append((us, cfg))
+    return sorted(timed), failed
+
+
+def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: ResultCache,
+               opts: TuneOptions, progress: Progress) -> BatchBest | None:
+    shape = bench.shape
+    quick = _quick_pass(bench, shape, batch, configs, cache, opts, progress)
+    if quick is None:
+        return None
+    timed, failed = quick
+    if not timed:
+        progress.log(f"{shape.key} M={batch}: every config failed")
+        return None
+    refined: list[tuple[float, TileConfig]] = []
+    for _, cfg in timed[: opts.refine_top]:
+        hit = cache.get(shape.key, batch, cfg.key, "refine")
+        if hit is None or hit.us is None:
+            if _past(opts.deadline):
+                return None
+            us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
+            hit = Result(shape.key, batch, cfg.key, "refine", us)
+            cache.add(hit)
+        refined.append((hit.us or 0.0, cfg))
+    best_us, best = min(refined)
+    progress.log(f"{shape.key} M={batch}: best {best.key} {best_us:.1f} us "
+                 f"({len(timed)} timed, {failed} failed)")
+    return BatchBest(batch, best, best_us, len(timed), failed)
+
+
+def tune_shape(bench: MoEBench, plan: dict[int, list[TileConfig]], cache: ResultCache,
+               opts: TuneOptions, progress: Progress) -> dict[int, BatchBest]:
+    """Best config per batch size; batch sizes missing from the result were not finished."""
+    results: dict[int, BatchBest] = {}
+    for batch in sorted(plan):
+        best = tune_batch(bench, batch, plan[batch], cache, opts, progress)
+        if best is None and _past(opts.deadline):
+            progress.log(f"{bench.shape.key}: deadline reached before M={batch}")
+            break
+        if best is not None:
+            results[batch] = best
+    return results

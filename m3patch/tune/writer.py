@@ -1,0 +1,101 @@
+"""Write a tuned table in vLLM's format, with provenance in a sidecar. Pure apart from `write_*`.
+
+vLLM 0.33.0 `get_moe_configs` loads the JSON, drops only `triton_version` and turns every other
+key into an int, so the table itself may hold nothing else: provenance (device, driver, versions,
+date, command, per-batch timings) lives in `<table>.provenance.json` next to it, a name the
+lookup never asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from m3patch.errors import ResultsInvalid, TreeIOError
+from m3patch.tune.space import TileConfig
+
+PROVENANCE_SUFFIX = ".provenance.json"
+TABLE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+              "num_stages")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    device: str
+    driver: str
+    torch: str
+    triton: str
+    date: str
+    command: str
+    kernel_origin: str
+    kernel_sha256: str
+    shape: str
+    timings_us: Mapping[int, float]
+
+
+def table_dict(best: Mapping[int, TileConfig], triton_version: str) -> dict[str, Any]:
+    table: dict[str, Any] = {"triton_version": triton_version}
+    for batch in sorted(best):
+        table[str(batch)] = best[batch].to_vllm()
+    return table
+
+
+def provenance_dict(prov: Provenance) -> dict[str, Any]:
+    return {
+        "schema": 1, "tool": "m3patch tune", "device": prov.device, "driver": prov.driver,
+        "torch": prov.torch, "triton": prov.triton, "date": prov.date, "command": prov.command,
+        "kernel": {"origin": prov.kernel_origin, "fused_moe_py_sha256": prov.kernel_sha256},
+        "shape": prov.shape,
+        "median_us_gemm1_plus_gemm2": {str(b): round(us, 2)
+                                       for b, us in sorted(prov.timings_us.items())},
+    }
+
+
+def _dump(path: Path, data: Mapping[str, Any]) -> None:
+    text = json.dumps(data, indent=4) + "\n"
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(text, encoding="utf-8")
+        staging.replace(path)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        msg = f"cannot write {path}: {exc.strerror}"
+        raise TreeIOError(msg, hint=f"check that {path.parent} is writable") from exc
+
+
+def write_table(out_dir: Path, file_name: str, best: Mapping[int, TileConfig],
+                prov: Provenance) -> Path:
+    path = out_dir / file_name
+    _dump(path, table_dict(best, prov.triton))
+    _dump(path.with_name(path.name + PROVENANCE_SUFFIX), provenance_dict(prov))
+    return path
+
+
+def read_table(path: Path) -> dict[int, TileConfig]:
+    """Load a table the way vLLM does (drop triton_version, int keys) and validate entries."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        msg = f"{path}: not a readable JSON table ({exc})"
+        raise ResultsInvalid(msg, hint="re-run `m3patch tune` to regenerate it") from exc
+    if not isinstance(raw, dict):
+        msg = f"{path}: a table must be a JSON object"
+        raise ResultsInvalid(msg, hint="re-run `m3patch tune` to regenerate it")
+    raw.pop("triton_version", None)
+    table: dict[int, TileConfig] = {}
+    for key, entry in raw.items():
+        if not key.isdigit() or not isinstance(entry, dict) or set(entry) < set(TABLE_KEYS):
+            msg = f"{path}: entry {key!r} is not batch -> {{{', '.join(TABLE_KEYS)}}}"
+            raise ResultsInvalid(msg, hint="vLLM would fail on it; regenerate the table")
+        table[int(key)] = TileConfig.from_vllm(entry)
+    return table
+
+
+def nearest_config(table: Mapping[int, TileConfig], batch: int) -> TileConfig:
+    """vLLM's pick: the entry whose batch size is closest (ties: the first/smaller key)."""
+    return table[min(table.keys(), key=lambda key: abs(key - batch))]

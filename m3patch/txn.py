@@ -1,0 +1,272 @@
+"""Effects: a journaled, all-or-nothing replacement of files in the tree, under a lock.
+
+Order of writes (each one is a numbered "step" for the fault hook):
+  1 journal(phase=stage)  2.. backup links + staged post-images  journal(phase=commit)
+  renames/unlinks  ledger  cleanup  journal removal.
+The journal is written before anything else, so a killed run always leaves one behind; the next
+run (`recover`) rolls a `stage` journal back and completes a `commit` journal when every staged
+file is present with its post-image hash, else restores the backups (hard links of the
+pre-images, so no data is copied and nothing is written through a link).
+
+Test-only fault hook: M3PATCH_FAULT=kill-after:N sends SIGKILL to this process right after
+write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-transaction).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from m3patch.errors import LockTimeout, TreeIOError
+from m3patch.ledger import digest, file_digest, ledger_path, state_dir
+
+JOURNAL = "journal.json"
+DEFAULT_LOCK_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str  # relative to the root
+    pre: str | None
+    post: str | None  # None = delete
+    data: bytes | None  # the post-image
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    pre: str | None
+    post: str | None
+    stage: str | None  # file name beside the target
+    backup: str | None
+
+
+class _Steps:
+    """Counts write steps; the fault hook lets tests stop the process at each one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        kind, _, number = os.environ.get("M3PATCH_FAULT", "").partition(":")
+        self.kind = kind
+        self.at = int(number) if number.isdigit() else -1
+
+    def done(self) -> None:
+        self.count += 1
+        if self.count != self.at:
+            return
+        if self.kind == "kill-after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "fail-after":
+            raise OSError(5, f"M3PATCH_FAULT injected I/O error after step {self.count}")
+
+
+@contextlib.contextmanager
+def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Exclusive flock on <root>/vllm/.m3patch/lock; LockTimeout after the deadline."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("M3PATCH_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S))
+    path = state_dir(root) / "lock"
+    try:
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        msg = f"{path}: cannot create the lock: {exc.strerror}"
+        raise TreeIOError(msg, hint="run as the owner of the vLLM tree") from None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    msg = f"{path}: another m3patch run held the lock for {timeout_s:.0f} s"
+                    raise LockTimeout(msg, hint="wait for it, or raise M3PATCH_LOCK_TIMEOUT") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Create `path` as a new inode (never through an existing link), fsynced."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write_new(tmp, data)
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _journal_path(root: Path) -> Path:
+    return state_dir(root) / JOURNAL
+
+
+def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes | None) -> None:
+    body = {"phase": phase, "entries": [asdict(e) for e in entries],
+            "ledger": None if ledger is None else ledger.decode()}
+    atomic_write(_journal_path(root), json.dumps(body, indent=1).encode())
+
+
+def _keep_owner(stage: Path, target: Path) -> None:
+    info = target.stat()
+    stage.chmod(stat.S_IMODE(info.st_mode))
+    mine = stage.stat()
+    if (mine.st_uid, mine.st_gid) != (info.st_uid, info.st_gid):
+        os.chown(stage, info.st_uid, info.st_gid)
+
+
+def _entry(change: Change) -> Entry:
+    name = Path(change.path).name
+    stage = f".{name}.m3patch-new" if change.post is not None else None
+    backup = f".{name}.m3patch-pre" if change.pre is not None else None
+    return Entry(change.path, change.pre, change.post, stage, backup)
+
+
+def _stage(root: Path, change: Change, entry: Entry, new_mode: int, steps: _Steps) -> None:
+    target = root / change.path
+    if entry.backup is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (target.parent / entry.backup).unlink()
+        os.link(target, target.parent / entry.backup)  # a second name for the pre-image, no copy
+        steps.done()
+    if entry.stage is not None and change.data is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_new(target.parent / entry.stage, change.data, new_mode)
+        if change.pre is not None:
+            _keep_owner(target.parent / entry.stage, target)
+        steps.done()
+
+
+def _swap(root: Path, entry: Entry) -> None:
+    target = root / entry.path
+    if entry.post is None:
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+    elif entry.stage is not None and (target.parent / entry.stage).exists():
+        (target.parent / entry.stage).replace(target)
+
+
+def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps) -> None:
+    dirs = {(root / e.path).parent for e in entries}
+    for directory in dirs:
+        if directory.exists():
+            _fsync_dir(directory)
+    if ledger is None:
+        with contextlib.suppress(FileNotFoundError):
+            ledger_path(root).unlink()
+    else:
+        atomic_write(ledger_path(root), ledger)
+    steps.done()
+    for entry in entries:
+        if entry.backup:
+            with contextlib.suppress(FileNotFoundError):
+                ((root / entry.path).parent / entry.backup).unlink()
+    steps.done()
+    _journal_path(root).unlink()
+    steps.done()
+
+
+def commit(root: Path, changes: list[Change], ledger: bytes | None, new_mode: int = 0o644) -> None:
+    """Replace every file, write (or with None remove) the ledger; all or nothing."""
+    steps = _Steps()
+    entries = [_entry(c) for c in changes]
+    try:
+        _write_journal(root, "stage", entries, ledger)
+        steps.done()
+        for change, entry in zip(changes, entries, strict=True):
+            _stage(root, change, entry, new_mode, steps)
+        _write_journal(root, "commit", entries, ledger)
+        steps.done()
+        for entry in entries:
+            _swap(root, entry)
+            steps.done()
+    except OSError as exc:
+        _rollback(root, entries)
+        msg = f"{root}: write failed, every file restored: {exc.strerror or exc}"
+        raise TreeIOError(msg, hint="free disk space / fix permissions, then rerun") from None
+    try:
+        _finish(root, entries, ledger, steps)
+    except OSError as exc:  # every file is in place; the journal lets the next run finish
+        msg = f"{root}: files replaced, but recording failed: {exc.strerror or exc}"
+        raise TreeIOError(msg, hint="rerun the same m3patch command to finish") from None
+
+
+def _rollback(root: Path, entries: list[Entry]) -> None:
+    for entry in entries:
+        target = root / entry.path
+        if entry.stage:
+            with contextlib.suppress(FileNotFoundError):
+                (target.parent / entry.stage).unlink()
+        backup = target.parent / entry.backup if entry.backup else None
+        if backup is not None and backup.exists():
+            if target.exists() and backup.samefile(target):
+                backup.unlink()  # rename() onto the same inode would leave both names
+            else:
+                backup.replace(target)
+        elif entry.pre is None:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        _journal_path(root).unlink()
+
+
+def _completable(root: Path, entry: Entry) -> bool:
+    target = root / entry.path
+    if entry.post is None or file_digest(target) == entry.post:
+        return True
+    staged = target.parent / entry.stage if entry.stage else None
+    return staged is not None and file_digest(staged) == entry.post
+
+
+def recover(root: Path) -> str | None:
+    """Finish or undo a transaction a killed run left behind; call it holding the lock."""
+    path = _journal_path(root)
+    try:
+        body = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        msg = f"{path}: unreadable journal ({exc})"
+        raise TreeIOError(msg, hint=f"inspect it, restore the tree, then delete {path}") from None
+    entries = [Entry(**e) for e in body["entries"]]
+    ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
+    if body["phase"] == "commit" and all(_completable(root, e) for e in entries):
+        for entry in entries:
+            _swap(root, entry)
+        _finish(root, entries, ledger, _Steps())
+        return "completed an interrupted transaction found in the journal"
+    _rollback(root, entries)
+    return "rolled back an interrupted transaction found in the journal"
+
+
+def content_digest(data: bytes | None) -> str | None:
+    return None if data is None else digest(data)

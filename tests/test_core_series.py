@@ -1,0 +1,90 @@
+"""Series manifest and lock: strict schema, pins regenerate identically, stale lock refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from m3patch import errors
+from m3patch.apply_api import apply_series
+from m3patch.locate import tree_at
+from m3patch.schema import SchemaError
+from m3patch.series import load_series
+from tests.conftest import REPO, CliRunner
+
+
+def copy_series(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "series"))
+
+
+def test_load_and_markers_for(test_series: Path) -> None:
+    series = load_series(test_series)
+    assert series.id == "test-series-0.33.0" and series.target_commit == "4ba787ec9"
+    assert [p.id for p in series.patches] == ["version-banner", "logger-marks", "logger-followup"]
+    assert series.lock is not None and len(series.lock.patches) == 3
+    cpu = {m.id for m in series.markers_for("cpu")}
+    cuda = {m.id for m in series.markers_for("cuda")}
+    rocm = {m.id for m in series.markers_for("rocm-gfx942")}
+    assert cpu == {"test-added-file", "test-logger-mark", "test-no-emulation"}
+    assert cuda == {"test-added-file", "test-no-emulation"}  # the marker's own platform gate
+    assert rocm == {"test-added-file"}  # logger-marks is gated to cpu, cuda
+    regex = next(m for m in series.markers_for("cpu") if m.id == "test-logger-mark")
+    assert regex.regex is not None and regex.text is None and regex.patch_id == "logger-marks"
+
+
+def test_unknown_key_has_breadcrumb_and_suggestion(test_series: Path, tmp_path: Path) -> None:
+    series = copy_series(test_series, tmp_path)
+    manifest = series / "series.yaml"
+    manifest.write_text(manifest.read_text().replace("drop-when: never (test data)\n    platforms",
+                                                     "drop_when: never\n    platforms", 1))
+    with pytest.raises(SchemaError) as info:
+        load_series(series)
+    text = str(info.value)
+    assert "==> At key: patches" in text and "==> At index 1" in text
+    assert "Perhaps you meant 'drop-when'?" in text
+
+
+def test_committed_lock_equals_a_fresh_one(test_series: Path, tmp_path: Path,
+                                           m3patch_cli: CliRunner) -> None:
+    series = copy_series(test_series, tmp_path)
+    proc = m3patch_cli("series", "lock", "--series", str(series), "--pristine")
+    assert proc.returncode == 0, proc.stderr
+    assert (series / "series.lock.json").read_text() == (
+        test_series / "series.lock.json").read_text()
+
+
+def test_edited_patch_makes_the_lock_stale(test_series: Path, tmp_path: Path,
+                                           vllm_tree: Path) -> None:
+    series = copy_series(test_series, tmp_path)
+    patch = series / "0002-logger-marks.patch"
+    patch.write_text(patch.read_text().replace('"num_warps": 8', '"num_warps": 16'))
+    with pytest.raises(errors.UsageError, match="changed since series.lock.json"):
+        apply_series(tree_at(vllm_tree), load_series(series))
+
+
+def test_reordered_manifest_makes_the_lock_stale(test_series: Path, tmp_path: Path) -> None:
+    series = copy_series(test_series, tmp_path)
+    manifest = series / "series.yaml"
+    manifest.write_text(manifest.read_text().replace("id: test-series-0.33.0", "id: renamed"))
+    with pytest.raises(errors.UsageError, match="stale"):
+        load_series(series)
+
+
+def test_missing_lock(test_series: Path, tmp_path: Path, vllm_tree: Path) -> None:
+    series = copy_series(test_series, tmp_path)
+    (series / "series.lock.json").unlink()
+    with pytest.raises(errors.UsageError, match="series lock"):
+        apply_series(tree_at(vllm_tree), load_series(series))
+
+
+@pytest.mark.parametrize("name", ["vllm-0.33.0", "vllm-0.32.0"])
+def test_real_series_folders_lock(name: str, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    src = REPO / "patches" / name
+    if not (src / "series.yaml").exists():
+        pytest.skip(f"patches/{name} not written yet")
+    series = copy_series(src, tmp_path)
+    proc = m3patch_cli("series", "lock", "--series", str(series), "--pristine", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert load_series(series).lock is not None

@@ -1,0 +1,86 @@
+"""Transactions: SIGKILL at every write step, injected I/O errors, 8 concurrent ranks.
+
+The fault hook (M3PATCH_FAULT, test-only, documented in m3patch/txn.py) stops the real apply
+at a chosen write step; a real process cannot be made to die at an exact step otherwise.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m3patch import errors
+from m3patch.apply_api import apply_series, revert_series, verify_tree
+from m3patch.ledger import read_ledger, state_dir
+from m3patch.locate import tree_at
+from m3patch.pristine import verify_against_record
+from m3patch.series import load_series
+from tests.conftest import REPO, CliRunner
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for p in (root / "vllm").rglob("*") if ".m3patch-" in p.name]
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_write_step_then_rerun_completes(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    args = ("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    tree, series = tree_at(vllm_tree), load_series(test_series)
+    killed_at = []
+    for step in range(1, 60):
+        fault = m3patch_cli(*args, env={"M3PATCH_FAULT": f"kill-after:{step}"})
+        if fault.returncode == 0:
+            break  # the apply has fewer write steps than `step`: every one was covered
+        assert fault.returncode == -signal.SIGKILL, fault.stderr
+        killed_at.append(step)
+        journal = (state_dir(vllm_tree) / "journal.json").exists()
+        rerun = apply_series(tree, series)  # the next run, in-process to keep the test quick
+        assert journal == any("interrupted transaction" in n for n in rerun.notes), step
+        assert verify_tree(tree, series).ok, step
+        assert leftovers(vllm_tree) == [] and read_ledger(vllm_tree) is not None
+        assert not (state_dir(vllm_tree) / "journal.json").exists()
+        revert_series(tree, series)
+        assert verify_against_record(vllm_tree) == [], step
+    # journal, 4 backup links + 4 staged files, journal, 5 renames, ledger, cleanup, unlink
+    assert killed_at == list(range(1, 19))
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 9, 10, 12, 15])
+def test_io_error_mid_apply_restores_every_file(
+        vllm_tree: Path, test_series: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("M3PATCH_FAULT", f"fail-after:{step}")
+    with pytest.raises(errors.TreeIOError, match="every file restored"):
+        apply_series(tree_at(vllm_tree), load_series(test_series))
+    assert verify_against_record(vllm_tree) == []
+    assert not (vllm_tree / "vllm/m3patch_test_added.py").exists()
+    assert leftovers(vllm_tree) == [] and read_ledger(vllm_tree) is None
+    assert not (state_dir(vllm_tree) / "journal.json").exists()
+
+
+def test_eight_concurrent_ranks(vllm_tree: Path, test_series: Path) -> None:
+    cmd = [sys.executable, "-m", "m3patch", "apply", "--vllm-root", str(vllm_tree),
+           "--series", str(test_series)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(8)]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert [rc for rc, _, _ in results] == [0] * 8, [err for _, _, err in results]
+    lasts = sorted(out.strip().splitlines()[-1] for _, out, _ in results)
+    assert lasts == ["m3patch: 0 applied, 3 already applied, 0 conflicts"] * 7 + [
+        "m3patch: 3 applied, 0 already applied, 0 conflicts"]
+    tree, series = tree_at(vllm_tree), load_series(test_series)
+    assert verify_tree(tree, series).ok
+
+
+def test_lock_timeout(vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    from m3patch.txn import tree_lock
+
+    with tree_lock(vllm_tree):  # hold the lock in this process; the CLI must give up
+        proc = m3patch_cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series),
+                           env={"M3PATCH_LOCK_TIMEOUT": "0.3"})
+    assert proc.returncode == errors.LockTimeout.exit_code, proc.stderr
+    assert "held the lock" in proc.stderr

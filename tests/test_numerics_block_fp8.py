@@ -1,0 +1,233 @@
+"""Numerics of the MXFP8 -> 128x128 block-FP8 conversion (patch block-fp8-moe), on CPU.
+
+The module is loaded by file path from a patched copy of the real 0.33.0 tree, as the GPU
+benchmark does; nothing here imports vLLM. Bound under test (derivation in the series README):
+|x' - x| <= 2^-4 |x| + 2^-10 S per element, S the block's fp32 scale (FN convention).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from m3patch.apply_api import apply_series  # noqa: E402
+from m3patch.locate import tree_at  # noqa: E402
+from m3patch.pristine import copy_tree  # noqa: E402
+from m3patch.series import load_series  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+
+NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"
+FP32_SLACK = 2.0**-22  # fp32 division/scaling rounding on top of the e4m3 half-ulp
+
+
+@pytest.fixture(scope="module")
+def module_path(pristine_033: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = copy_tree(pristine_033, tmp_path_factory.mktemp("numerics") / "site-packages")
+    apply_series(tree_at(root), load_series(REPO / "patches" / "vllm-0.33.0"))
+    return root / NEW_MODULE
+
+
+def load(path: Path, name: str = "m3patch_mxfp8_block") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def blk(module_path: Path) -> ModuleType:
+    return load(module_path)
+
+
+def mxfp8(shape: tuple[int, int, int], lo: int, hi: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian e4m3fn values; one E8M0 byte per 1x32 group drawn from [lo, hi)."""
+    gen = torch.Generator().manual_seed(seed)
+    e, n, k = shape
+    values = (torch.randn(shape, generator=gen) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.randint(lo, hi, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    return values, scales
+
+
+def assert_within_bound(blk: ModuleType, w: torch.Tensor, s: torch.Tensor, wq: torch.Tensor,
+                        sq: torch.Tensor, fnuz: bool) -> float:
+    ref, got = blk.dequant_mxfp8(w, s), blk.dequant_block_fp8(wq, sq)
+    fn_scale = sq / 2 if fnuz else sq
+    floor = 2.0**-10 * fn_scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    bound = (2.0**-4 + FP32_SLACK) * ref.abs() + floor
+    assert torch.isfinite(got).all()
+    ratio = float(((got - ref).abs() / bound).max())
+    assert ratio <= 1.0, f"error exceeds the derived bound by {ratio:.3f}x"
+    return ratio
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(127, 128), (120, 128), (100, 140)])
+@pytest.mark.parametrize("fnuz", [False, True])
+def test_conversion_within_derived_bound(blk: ModuleType, lo: int, hi: int, fnuz: bool) -> None:
+    w, s = mxfp8((3, 256, 384), lo, hi, seed=lo + hi)
+    wq, sq = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=fnuz)
+    assert wq.dtype == (torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
+    assert sq.shape == (3, 2, 3) and sq.dtype == torch.float32
+    ratio = assert_within_bound(blk, w, s, wq, sq, fnuz)
+    assert ratio > 0.5  # the bound is tight: half-ulp errors do occur
+    ref = blk.dequant_mxfp8(w[0, :256], s[0, :256])
+    assert blk.self_check(ref, wq[0], sq[0], "t") <= blk.SELF_CHECK_BOUND
+
+
+def all_bytes_block(scale_byte: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One 128x128 block holding every e4m3fn byte 64 times (NaN bytes 0x7F/0xFF -> 0x00)."""
+    raw = torch.arange(256, dtype=torch.int32).repeat(64).to(torch.uint8).view(1, 128, 128)
+    raw = torch.where((raw & 0x7F) == 0x7F, 0, raw)
+    return raw.view(torch.float8_e4m3fn), torch.full((1, 128, 4), scale_byte, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("scale_byte", [0, 1, 126, 127])
+def test_fnuz_matches_fn_exactly_for_all_bytes(blk: ModuleType, scale_byte: int) -> None:
+    w, s = all_bytes_block(scale_byte)
+    fn_q, fn_s = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=False)
+    nz_q, nz_s = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=True)
+    assert not bool((nz_q.view(torch.uint8) == 0x80).any())  # 0x80 is NaN in FNUZ
+    assert torch.equal(fn_q.view(torch.uint8), nz_q.view(torch.uint8))
+    assert torch.equal(nz_s, fn_s * 2)
+    fn_val, nz_val = blk.dequant_block_fp8(fn_q, fn_s), blk.dequant_block_fp8(nz_q, nz_s)
+    assert torch.isfinite(nz_val).all() and torch.equal(fn_val, nz_val)
+    assert_within_bound(blk, w, s, nz_q, nz_s, fnuz=True)
+
+
+@pytest.mark.parametrize(("scale_byte", "limit"), [(253, 4.0), (254, 1.5)])
+def test_huge_scales_convert_small_values_and_reject_overflow(blk: ModuleType, scale_byte: int,
+                                                               limit: float) -> None:
+    """2^(s-127) * v overflows fp32 for large v: an error, never inf in the weights."""
+    w, s = all_bytes_block(scale_byte)
+    small = torch.where(w.float().abs() < limit, w.view(torch.uint8), 0).view(torch.float8_e4m3fn)
+    for fnuz in (False, True):
+        wq, sq = blk.convert_mxfp8_to_block_fp8(small, s, fnuz=fnuz)
+        assert_within_bound(blk, small, s, wq, sq, fnuz=fnuz)
+        assert not bool((wq.view(torch.uint8) == 0x80).any())
+    with pytest.raises(blk.BlockFp8ConversionError, match=r"expert 0, rows 0-127.*>= 250.*: 512"):
+        blk.convert_mxfp8_to_block_fp8(w, s, fnuz=True)
+
+
+def test_scale_255_is_an_error(blk: ModuleType) -> None:
+    w, s = all_bytes_block(127)
+    s[0, 5, 2] = 255
+    with pytest.raises(blk.BlockFp8ConversionError, match=r"E8M0 bytes 255 \(NaN\): 1"):
+        blk.convert_mxfp8_to_block_fp8(w, s, fnuz=False)
+
+
+def test_nan_input_is_an_error_naming_the_block(blk: ModuleType) -> None:
+    w, s = mxfp8((2, 256, 256), 120, 128, seed=1)
+    raw = w.view(torch.uint8).clone()
+    raw[1, 200, 130] = 0xFF
+    with pytest.raises(blk.BlockFp8ConversionError,
+                       match=r"expert 1, rows 128-255, cols 128-255 .*e4m3fn NaN values: 1"):
+        blk.convert_mxfp8_to_block_fp8(raw.view(torch.float8_e4m3fn), s, fnuz=True)
+
+
+def test_zero_blocks_use_scale_one(blk: ModuleType) -> None:
+    w, s = mxfp8((1, 256, 256), 120, 128, seed=2)
+    raw = w.view(torch.uint8).clone()
+    raw[0, :128, 128:] = 0x80  # -0 everywhere in one block
+    raw[0, 128:, :128] = 0
+    wq, sq = blk.convert_mxfp8_to_block_fp8(raw.view(torch.float8_e4m3fn), s, fnuz=True)
+    assert sq[0, 0, 1] == 2.0 and sq[0, 1, 0] == 2.0  # 1.0 in FN convention, doubled for FNUZ
+    assert int(wq.view(torch.uint8)[0, :128, 128:].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(("shape", "scale_shape", "match"), [
+    ((1, 200, 256), (1, 200, 8), "multiples of 128"),
+    ((1, 256, 160), (1, 256, 5), "multiples of 128"),
+    ((1, 256, 256), (1, 256, 4), "scale shape"),
+])
+def test_bad_layouts_raise(blk: ModuleType, shape: tuple[int, ...], scale_shape: tuple[int, ...],
+                           match: str) -> None:
+    w = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    with pytest.raises(blk.BlockFp8ConversionError, match=match):
+        blk.convert_mxfp8_to_block_fp8(w, torch.zeros(scale_shape, dtype=torch.uint8), fnuz=False)
+
+
+def test_wrong_dtypes_raise(blk: ModuleType) -> None:
+    w = torch.zeros((1, 128, 128), dtype=torch.bfloat16)
+    with pytest.raises(blk.BlockFp8ConversionError, match="want float8_e4m3fn.*want uint8"):
+        blk.convert_mxfp8_to_block_fp8(w, torch.zeros((1, 128, 4), dtype=torch.int32), fnuz=False)
+
+
+def test_inplace_reuses_storage_and_matches(blk: ModuleType) -> None:
+    w, s = mxfp8((2, 256, 256), 118, 130, seed=3)
+    expect_q, expect_s = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=True)
+    work = w.clone()
+    got_q, got_s = blk.convert_mxfp8_to_block_fp8(work, s, fnuz=True, inplace=True)
+    assert got_q.data_ptr() == work.data_ptr()
+    assert torch.equal(got_q.view(torch.uint8), expect_q.view(torch.uint8))
+    assert torch.equal(got_s, expect_s)
+
+
+def test_self_check_rejects_a_bad_conversion(blk: ModuleType) -> None:
+    w, s = mxfp8((1, 128, 128), 120, 128, seed=4)
+    wq, sq = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=False)
+    with pytest.raises(blk.BlockFp8ConversionError, match="self-check relative error"):
+        blk.self_check(blk.dequant_mxfp8(w[0], s[0]), wq[0], sq[0] * 1.2, "layer.x")
+
+
+@pytest.mark.parametrize(("env", "rocm", "mx", "backend", "expect"), [
+    (None, True, False, "auto", True), ("auto", True, False, "triton", True),
+    ("auto", True, True, "auto", False), ("auto", False, False, "auto", False),
+    ("block_fp8", False, False, "auto", True), ("off", True, False, "auto", False),
+    ("auto", True, False, "emulation", False), (" Block_FP8 ", True, True, "triton", True),
+])
+def test_gate(blk: ModuleType, env: str | None, rocm: bool, mx: bool, backend: str,
+              expect: bool) -> None:
+    assert blk.conversion_requested(env, is_rocm=rocm, supports_mx=mx, moe_backend=backend) is expect
+
+
+@pytest.mark.parametrize(("env", "backend", "match"), [
+    ("yes", "auto", "not one of auto, block_fp8, off"),
+    ("block_fp8", "marlin", "needs --moe-backend auto or triton"),
+])
+def test_gate_refuses(blk: ModuleType, env: str, backend: str, match: str) -> None:
+    with pytest.raises(blk.BlockFp8ConversionError, match=match):
+        blk.conversion_requested(env, is_rocm=True, supports_mx=False, moe_backend=backend)
+
+
+INTERPRETER_CHECK = """
+import importlib.util, sys, torch
+sys.path.insert(0, sys.argv[2])
+from tests.test_numerics_block_fp8 import all_bytes_block, load, mxfp8
+mod = load(__import__("pathlib").Path(sys.argv[1]))
+w, s = mxfp8((2, 256, 256), 100, 140, seed=5)
+ab, ab_s = all_bytes_block(126)
+for fnuz in (False, True):
+    for wt, st in ((w, s), (ab, ab_s)):
+        tq, ts = mod.convert_mxfp8_to_block_fp8(wt, st, fnuz=fnuz, impl="triton")
+        rq, rs = mod.convert_mxfp8_to_block_fp8(wt, st, fnuz=fnuz, impl="torch")
+        assert torch.equal(tq.view(torch.uint8), rq.view(torch.uint8)), fnuz
+        assert torch.equal(ts, rs), fnuz
+bad = ab.view(torch.uint8).clone()
+bad[0, 3, 3] = 0x7F
+try:
+    mod.convert_mxfp8_to_block_fp8(bad.view(torch.float8_e4m3fn), ab_s, fnuz=True, impl="triton")
+except mod.BlockFp8ConversionError as exc:
+    assert "e4m3fn NaN values: 1" in str(exc), exc
+else:
+    raise AssertionError("NaN input was converted")
+print("kernel == torch path")
+"""
+
+
+def test_triton_kernel_matches_torch_path_bitwise(module_path: Path) -> None:
+    """The Triton kernel under TRITON_INTERPRET=1 (a subprocess: the interpreter mode is fixed
+    when triton is first imported): every byte and scale equals the torch path."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK, str(module_path), str(REPO)],
+                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kernel == torch path" in proc.stdout
