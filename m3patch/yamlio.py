@@ -19,13 +19,13 @@ class UniqueKeyLoader(_BaseLoader):  # type: ignore[misc,valid-type]
 def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node)
         if key in seen:
             line = key_node.start_mark.line + 1
             msg = f"duplicate key {key!r} at line {line} (first at line {seen[key]})"
             raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
         seen[key] = key_node.start_mark.line + 1
-    return loader.construct_mapping(node)  # type: ignore[no-untyped-call,no-any-return]
+    return loader.construct_mapping(node)
 
 
 UniqueKeyLoader.add_constructor(

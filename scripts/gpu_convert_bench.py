@@ -86,13 +86,14 @@ def check_expert(mod: ModuleType, w: torch.Tensor, s: torch.Tensor, wq: torch.Te
 def time_ms(fn: Any, iters: int) -> float:
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        times.append(float(start.elapsed_time(end)))
+    return float(statistics.median(times))
 
 
 def bytes_moved(shape: tuple[int, int, int]) -> int:
@@ -103,18 +104,21 @@ def bytes_moved(shape: tuple[int, int, int]) -> int:
 def bench_one(mod: ModuleType, name: str, shape: tuple[int, int, int], args: argparse.Namespace) -> dict[str, Any]:
     w, s = random_mxfp8(shape, args.device, seed=SEEDS[name])
     rows: dict[str, Any] = {"tensor": name, "shape": list(shape), "bytes": bytes_moved(shape)}
-    by_warps = {}
-    for warps in args.warps:
-        def run(warps: int = warps) -> Any:
-            return mod.convert_mxfp8_to_block_fp8(w, s, fnuz=args.fnuz, impl=args.impl, num_warps=warps)
+    by_config = {}
+    for warps, tile_rows in args.configs:
+        def run(warps: int = warps, tile_rows: int = tile_rows) -> Any:
+            return mod.convert_mxfp8_to_block_fp8(w, s, fnuz=args.fnuz, impl=args.impl,
+                                                  num_warps=warps, tile_rows=tile_rows)
         run()  # compile
-        by_warps[warps] = time_ms(run, args.iters)
-    best = min(by_warps, key=lambda k: by_warps[k])
-    wq, sq = mod.convert_mxfp8_to_block_fp8(w, s, fnuz=args.fnuz, impl=args.impl, num_warps=best)
+        by_config[f"{warps}x{tile_rows}"] = time_ms(run, args.iters)
+    best = min(by_config, key=lambda k: by_config[k])
+    warps, tile_rows = (int(v) for v in best.split("x"))
+    wq, sq = mod.convert_mxfp8_to_block_fp8(w, s, fnuz=args.fnuz, impl=args.impl, num_warps=warps,
+                                            tile_rows=tile_rows)
     torch_q, torch_s = mod.convert_mxfp8_to_block_fp8(w[:1].contiguous(), s[:1].contiguous(), fnuz=args.fnuz, impl="torch")
     checks = [check_expert(mod, w, s, wq, sq, e) for e in sorted({0, shape[0] // 2, shape[0] - 1})]
     rows.update({
-        "ms_by_num_warps": by_warps, "num_warps": best, "median_ms": by_warps[best],
+        "ms_by_warps_x_tile_rows": by_config, "config": best, "median_ms": by_config[best],
         "rel_err_max": max(c["rel_err"] for c in checks),
         "err_over_bound_max": max(c["max_err_over_bound"] for c in checks),
         "bound_ok": all(c["bound_ok"] == 1.0 for c in checks),
@@ -136,11 +140,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    head = f"{'tensor':<6} {'shape':<16} {'warps':>5} {'median ms':>10} {'TB/s':>6} {'rel err':>9} {'err/bound':>9} {'bound':>5}"
+    head = f"{'tensor':<6} {'shape':<16} {'wxrows':>6} {'median ms':>10} {'TB/s':>6} {'rel err':>9} {'err/bound':>9} {'bound':>5}"
     out = [head, "-" * len(head)]
     for r in rows:
         shape = "x".join(str(d) for d in r["shape"])
-        out.append(f"{r['tensor']:<6} {shape:<16} {r['num_warps']:>5} {r['median_ms']:>10.3f} "
+        out.append(f"{r['tensor']:<6} {shape:<16} {r['config']:>6} {r['median_ms']:>10.3f} "
                    f"{r['tb_per_s']:>6.2f} {r['rel_err_max']:>9.2e} {r['err_over_bound_max']:>9.3f} "
                    f"{'ok' if r['bound_ok'] else 'FAIL':>5}")
     out.append(f"layer: {summary['layer_ms']:.3f} ms, {summary['fraction_of_copy_ceiling']:.1%} of "
@@ -159,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fnuz", action="store_true", help="produce E4M3FNUZ (the gfx94x path)")
     parser.add_argument("--impl", default="triton", choices=("triton", "torch"))
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warps", type=lambda v: [int(x) for x in v.split(",")], default=[4, 8, 16])
+    parser.add_argument("--configs", default="4x16,4x32,8x32,8x64,16x128",
+                        type=lambda v: [tuple(int(x) for x in c.split("x")) for c in v.split(",")],
+                        help="num_warps x tile rows to try; the fastest is reported")
     args = parser.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cpu":

@@ -45,7 +45,7 @@ def file_diff(base_root: Path, edited_root: Path, rel: str) -> str:
 
 def make_patch(base_root: Path, edited_root: Path, paths: list[str]) -> str:
     chunks = [file_diff(base_root, edited_root, rel) for rel in sorted(set(paths))]
-    unchanged = [rel for rel, chunk in zip(sorted(set(paths)), chunks) if not chunk]
+    unchanged = [rel for rel, chunk in zip(sorted(set(paths)), chunks, strict=True) if not chunk]
     if unchanged:
         raise SystemExit(f"make_patch: no change in {', '.join(unchanged)}")
     return "".join(chunks)

@@ -2,7 +2,7 @@
 
 Core (issue 2): the real vLLM 0.33.0 tree from the PyPI wheel (cached, RECORD-checked) and a
 private hard-linked copy per test; m3patch never writes through a link, so the cache stays
-pristine (tests that edit a file by hand must use `replace_file`, never open(..., "w")).
+pristine (tests that edit a file by hand must use `core_helpers.replace_file`, never open(..., "w")).
 """
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from core_helpers import REPO, TEST_SERIES, CliRunner
 
 from m3patch.pristine import copy_tree, pristine_tree
-
-REPO = Path(__file__).resolve().parents[1]
-TEST_SERIES = REPO / "tests" / "data" / "test-series"
 
 # ---------------------------------------------------------------- core: trees and the CLI
 
@@ -39,16 +36,6 @@ def vllm_tree(pristine_033: Path, tmp_path: Path) -> Path:
 def test_series() -> Path:
     """The committed test series (tests/data/test-series), with its lock."""
     return TEST_SERIES
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Edit a tree file by hand the safe way: new inode + rename, never through a hard link."""
-    tmp = path.with_name(path.name + ".hand-edit")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-CliRunner = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture

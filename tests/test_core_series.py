@@ -6,13 +6,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from core_helpers import REPO, CliRunner
 
 from m3patch import errors
 from m3patch.apply_api import apply_series
 from m3patch.locate import tree_at
 from m3patch.schema import SchemaError
 from m3patch.series import load_series
-from tests.conftest import REPO, CliRunner
 
 
 def copy_series(src: Path, tmp_path: Path) -> Path:
@@ -60,7 +60,7 @@ def test_edited_patch_makes_the_lock_stale(test_series: Path, tmp_path: Path,
     series = copy_series(test_series, tmp_path)
     patch = series / "0002-logger-marks.patch"
     patch.write_text(patch.read_text().replace('"num_warps": 8', '"num_warps": 16'))
-    with pytest.raises(errors.UsageError, match="changed since series.lock.json"):
+    with pytest.raises(errors.UsageError, match=r"changed since series\.lock\.json"):
         apply_series(tree_at(vllm_tree), load_series(series))
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from core_helpers import REPO, CliRunner
 
 from m3patch import errors
 from m3patch.apply_api import apply_series, revert_series, verify_tree
@@ -19,7 +20,6 @@ from m3patch.ledger import read_ledger, state_dir
 from m3patch.locate import tree_at
 from m3patch.pristine import verify_against_record
 from m3patch.series import load_series
-from tests.conftest import REPO, CliRunner
 
 
 def leftovers(root: Path) -> list[Path]:

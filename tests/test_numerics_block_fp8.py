@@ -13,17 +13,20 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 
 torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from m3patch.apply_api import apply_series  # noqa: E402
 from m3patch.locate import tree_at  # noqa: E402
 from m3patch.pristine import copy_tree  # noqa: E402
 from m3patch.series import load_series  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"
 FP32_SLACK = 2.0**-22  # fp32 division/scaling rounding on top of the e4m3 half-ulp
 
@@ -48,7 +51,7 @@ def blk(module_path: Path) -> ModuleType:
     return load(module_path)
 
 
-def mxfp8(shape: tuple[int, int, int], lo: int, hi: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp8(shape: tuple[int, int, int], lo: int, hi: int, seed: int) -> tuple[Tensor, Tensor]:
     """Gaussian e4m3fn values; one E8M0 byte per 1x32 group drawn from [lo, hi)."""
     gen = torch.Generator().manual_seed(seed)
     e, n, k = shape
@@ -57,8 +60,8 @@ def mxfp8(shape: tuple[int, int, int], lo: int, hi: int, seed: int) -> tuple[tor
     return values, scales
 
 
-def assert_within_bound(blk: ModuleType, w: torch.Tensor, s: torch.Tensor, wq: torch.Tensor,
-                        sq: torch.Tensor, fnuz: bool) -> float:
+def assert_within_bound(blk: ModuleType, w: Tensor, s: Tensor, wq: Tensor,
+                        sq: Tensor, fnuz: bool) -> float:
     ref, got = blk.dequant_mxfp8(w, s), blk.dequant_block_fp8(wq, sq)
     fn_scale = sq / 2 if fnuz else sq
     floor = 2.0**-10 * fn_scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
@@ -82,7 +85,7 @@ def test_conversion_within_derived_bound(blk: ModuleType, lo: int, hi: int, fnuz
     assert blk.self_check(ref, wq[0], sq[0], "t") <= blk.SELF_CHECK_BOUND
 
 
-def all_bytes_block(scale_byte: int) -> tuple[torch.Tensor, torch.Tensor]:
+def all_bytes_block(scale_byte: int) -> tuple[Tensor, Tensor]:
     """One 128x128 block holding every e4m3fn byte 64 times (NaN bytes 0x7F/0xFF -> 0x00)."""
     raw = torch.arange(256, dtype=torch.int32).repeat(64).to(torch.uint8).view(1, 128, 128)
     raw = torch.where((raw & 0x7F) == 0x7F, 0, raw)
@@ -156,7 +159,7 @@ def test_bad_layouts_raise(blk: ModuleType, shape: tuple[int, ...], scale_shape:
 
 def test_wrong_dtypes_raise(blk: ModuleType) -> None:
     w = torch.zeros((1, 128, 128), dtype=torch.bfloat16)
-    with pytest.raises(blk.BlockFp8ConversionError, match="want float8_e4m3fn.*want uint8"):
+    with pytest.raises(blk.BlockFp8ConversionError, match=r"want float8_e4m3fn.*want uint8"):
         blk.convert_mxfp8_to_block_fp8(w, torch.zeros((1, 128, 4), dtype=torch.int32), fnuz=False)
 
 
@@ -199,7 +202,7 @@ def test_gate_refuses(blk: ModuleType, env: str, backend: str, match: str) -> No
 
 INTERPRETER_CHECK = """
 import importlib.util, sys, torch
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
 from tests.test_numerics_block_fp8 import all_bytes_block, load, mxfp8
 mod = load(__import__("pathlib").Path(sys.argv[1]))
 w, s = mxfp8((2, 256, 256), 100, 140, seed=5)

@@ -17,9 +17,9 @@ from m3patch.diffs import parse_patch
 from m3patch.locate import tree_at
 from m3patch.pristine import verify_against_record
 from m3patch.series import load_series
-from tests.conftest import REPO
 
 SERIES = REPO / "patches" / "vllm-0.33.0"
+REPO = Path(__file__).resolve().parents[1]
 NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"
 MINE = ("block-fp8-moe", "minimax-m3-mtp-fse", "tuned-moe-tables")
 
@@ -75,7 +75,8 @@ def test_manifest_declares_the_block_fp8_markers() -> None:
     assert {"Using 'EMULATION' MxFp8 MoE backend.", "Mxfp8EmulationTritonExperts",
             "MXFP8->BF16 load-time dequant complete"} <= forbidden
     # the self-check line must not be counted as a per-layer line (58 = 57 + MTP)
-    assert gfx942["block-fp8-layer"].text not in "m3patch[mxfp8->block_fp8 self-check]: x"
+    layer_text = gfx942["block-fp8-layer"].text
+    assert layer_text is not None and layer_text not in "m3patch[mxfp8->block_fp8 self-check]: x"
     cuda = {m.id for m in series.markers_for("cuda")}
     assert "block-fp8-layer" not in cuda  # on CUDA conversion is opt-in, so never required
 

@@ -157,14 +157,16 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(live: LiveServer) -> None:
 
 def test_forbidden_marker_stops_the_run_with_13(cpu_venv: Path, tiny_model: Path,
                                                 tmp_path: Path) -> None:
+    # "non-default args:" is one of the first lines the real API server prints: the run must
+    # stop right there, long before the engine would be ready.
     def forbid(data: dict[str, object]) -> None:
         data["markers"]["forbidden"].append(  # type: ignore[index]
-            {"id": "model-load", "text": "Starting to load model"})
+            {"id": "args-line", "text": "non-default args:"})
 
     recipe = write_variant(tmp_path / "recipe.yaml", cpu_venv, tiny_model, forbid)
     result = serve(recipe, tmp_path / "run", "--stop-after-ready")
     assert result.returncode == 13, result.stderr
-    assert "'model-load'" in result.stderr and "Starting to load model" in result.stderr
+    assert "'args-line'" in result.stderr and "non-default args: {" in result.stderr
     assert str(recipe) in result.stderr
     assert_no_server_left(tmp_path / "run")
 

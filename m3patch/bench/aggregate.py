@@ -27,8 +27,8 @@ AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
 AGGREGATE_SCHEMA = 1
 CELLS_DIR = "cells"
-KEY_FIELDS = ("cell_id", "isl", "osl", "concurrency", "tp", "pp", "ep", "dp", "dp_attention",
-              "gpu_count", "parallelism")
+KEY_FIELDS = ("cell_id", "isl", "osl", "range_ratio", "concurrency", "tp", "pp", "ep", "dp",
+              "dp_attention", "gpu_count", "parallelism")
 PROVENANCE_FIELDS = ("recipe_name", "recipe_sha256", "series", "image", "vllm_version")
 LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in STATS)
 INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in STATS)

@@ -1,7 +1,7 @@
 """Compare two aggregates cell by cell (pure): the seed PR's Previous / Patched / Change table.
 
-Only cells of the same shape are compared: the same ISL/OSL, TP, PP, EP, DP, dp-attention, GPU
-count and concurrency. A cell present on one side only, or at a concurrency both sides ran but
+Only cells of the same shape are compared: the same ISL/OSL and length range ratio, TP, PP, EP,
+DP, dp-attention, GPU count and concurrency. A cell present on one side only, or at a concurrency both sides ran but
 with a different shape, is listed and never given a change figure: a TP4 number against a TP8
 number is a deployment change, not a speedup (the seed's own caveat).
 """
@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SHAPE_FIELDS = ("isl", "osl", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count")
+# range_ratio too: another length distribution is another workload, not a speedup.
+SHAPE_FIELDS = ("isl", "osl", "range_ratio", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count")
 DEFAULT_METRIC = "tput_per_gpu"
 METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
@@ -61,7 +62,8 @@ def seq_label(row: dict[str, Any]) -> str:
 
 
 def describe(row: dict[str, Any]) -> str:
-    return f"{seq_label(row)} {row['parallelism']} ({row['gpu_count']} GPU)"
+    ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
+    return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 
 def compare_rows(

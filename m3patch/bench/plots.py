@@ -42,6 +42,12 @@ def _series_of(run: PlotRun) -> dict[str, list[dict[str, Any]]]:
     return {key: sorted(rows, key=lambda r: r["concurrency"]) for key, rows in groups.items()}
 
 
+def have_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -77,6 +83,9 @@ def draw(runs: Sequence[PlotRun], out_dir: Path) -> list[Path]:
             ax.set_xticks(concs, [str(c) for c in concs])
         if log_y:
             ax.set_yscale("log")
+            plain = plt.FuncFormatter(lambda value, _pos: f"{value:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.set_title(heading, fontsize=10)

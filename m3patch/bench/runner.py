@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from m3patch.bench import spec
 from m3patch.bench.cells import Cell
@@ -21,6 +21,9 @@ from m3patch.bench.client import BenchTarget, server_died
 from m3patch.bench.sweep import SweepOutcome, SweepSettings, run_sweep
 from m3patch.errors import UsageError
 from m3patch.recipe import Recipe, load_recipe
+
+if TYPE_CHECKING:
+    from m3patch.serve_session import ServeSession
 
 HEALTH_TIMEOUT_S = 5.0
 PLOTS_DIR = "plots"
@@ -115,6 +118,18 @@ def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_in_session(recipe: Recipe, session: ServeSession, run_dir: Path,
+                     *, resume: bool = False) -> int:
+    """`m3patch serve RECIPE --bench`: sweep every cell against the session's server, plot."""
+    cells = select_cells(recipe, ())
+    settings = SweepSettings(run_dir, resume, rerun_hint=(
+        f"m3patch bench {recipe.path} --resume --run-dir {run_dir}"))
+    target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
+    sweep_session(recipe, session.python, target, settings, cells, session.check_alive)
+    plot_run(run_dir)
+    return 0
+
+
 def _all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
     from m3patch.bench.aggregate import AGGREGATE_JSON, CELLS_DIR
     from m3patch.bench.results import finished_cell
@@ -124,10 +139,14 @@ def _all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
 
 
 def plot_run(run_dir: Path) -> list[Path]:
+    """Plots of a finished run; matplotlib is optional, so a sweep without it only warns."""
     from m3patch.bench.aggregate import load_aggregate
-    from m3patch.bench.plots import PlotRun, draw, run_title
-    from m3patch.output import info
+    from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
+    from m3patch.output import info, warn
 
+    if not have_matplotlib():
+        warn("matplotlib is not installed: no plots (pip install 'm3patch[plots]')")
+        return []
     aggregate = load_aggregate(run_dir)
     paths = draw([PlotRun("run", run_title(aggregate), tuple(aggregate["rows"]))],
                  run_dir / PLOTS_DIR)

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold", type=float, metavar="SECONDS",
                         help="serve this long after ready, watching markers, then stop (exit 0)")
     parser.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    parser.add_argument("--bench", action="store_true",
+                        help="once ready: run the recipe's sweep (as `m3patch bench`) into the "
+                             "run folder, plot, then stop")
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -62,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
              f"markers ok; log {session.log_path}")
         if args.stop_after_ready:
             return 0
+        if args.bench:
+            from m3patch.bench.runner import bench_in_session
+
+            return bench_in_session(recipe, session, run_dir)
         end = None if args.hold is None else time.monotonic() + args.hold
         while end is None or time.monotonic() < end:
             session.check_alive()

