@@ -36,7 +36,7 @@ UniqueKeyLoader.add_constructor(
 def load_yaml_text(text: str, *, source: str) -> Any:
     """Parse YAML text; any syntax or duplicate-key problem is a UsageError naming the source."""
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=UniqueKeyLoader)  # UniqueKeyLoader is a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source

@@ -18,8 +18,8 @@ from m3patch.locate import tree_at
 from m3patch.pristine import verify_against_record
 from m3patch.series import load_series
 
-SERIES = REPO / "patches" / "vllm-0.33.0"
 REPO = Path(__file__).resolve().parents[1]
+SERIES = REPO / "patches" / "vllm-0.33.0"
 NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"
 MINE = ("block-fp8-moe", "minimax-m3-mtp-fse", "tuned-moe-tables")
 
