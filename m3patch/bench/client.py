@@ -149,6 +149,6 @@ def log_tail(log_path: Path, lines: int = CLIENT_LOG_TAIL_LINES) -> str:
     return "\n".join(kept[-lines:])
 
 
-def server_died(reason: str) -> ServerDied:
-    msg = f"the server stopped during the sweep: {reason}"
-    return ServerDied(msg, hint="read the server log in the run folder; rerun with --resume")
+def server_died(reason: str, rerun: str) -> ServerDied:
+    msg = f"the server stopped answering during the sweep: {reason}"
+    return ServerDied(msg, hint=f"restart it (see its log), then: {rerun}")

@@ -70,17 +70,17 @@ def sweep_session(
     )
 
 
-def health_probe(base_url: str) -> Callable[[], None]:
+def health_probe(base_url: str, rerun: str) -> Callable[[], None]:
     """check_server for a server m3patch did not start: it must keep answering /health."""
     def check() -> None:
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=HEALTH_TIMEOUT_S) as reply:
                 if reply.status != 200:
                     msg = f"{base_url}/health answered {reply.status}"
-                    raise server_died(msg)
+                    raise server_died(msg, rerun)
         except (urllib.error.URLError, OSError) as exc:
             msg = f"{base_url}/health: {exc}"
-            raise server_died(msg) from None
+            raise server_died(msg, rerun) from None
     return check
 
 
@@ -103,8 +103,9 @@ def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
     elif args.url:
         target = BenchTarget(Path(python), args.url.rstrip("/"), recipe.model.served_name,
                              recipe.model.tokenizer)
-        health_probe(target.base_url)()
-        sweep_session(recipe, python, target, settings, cells, health_probe(target.base_url),
+        check = health_probe(target.base_url, settings.rerun_hint + f" --url {target.base_url}")
+        check()
+        sweep_session(recipe, python, target, settings, cells, check,
                       server=f"external {target.base_url} (not started or gated by m3patch)")
     else:
         from m3patch.serve_session import ServeSession

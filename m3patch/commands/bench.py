@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
+from types import FrameType
 
-from m3patch.errors import UsageError
+from m3patch.errors import Interrupted, UsageError
 
 COMPARE = "compare"
 METRICS = ("tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu", "median_intvty")
@@ -53,7 +55,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(msg, hint="m3patch bench RECIPE  (or: m3patch bench compare BASE NEW)")
     from m3patch.bench.runner import bench_recipe
 
+    # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
+    # client's and the server's process groups instead of orphaning them.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     return bench_recipe(Path(args.what[0]), args)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    msg = f"received signal {signal.Signals(signum).name}; the sweep and its server were stopped"
+    raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
