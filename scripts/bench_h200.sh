@@ -3,7 +3,7 @@
 # tests, then the measurement. Outputs under $OUT with plain names (the tool drops names with
 # '=' or '['), tables packed as tables.tar.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/bench-out}
 cp .devcarry/tune-cache.jsonl /tmp/tune-cache.jsonl
 python3 -m m3patch tune --shape 16,3072,6144,4,ep --shape 128,384,6144,4 --batch-sizes default \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def test_bench_argv_has_every_inferencex_flag(tmp_path: Path) -> None:
     cell = Cell(SeqLen(1024, 128), Parallelism(tp=8), 16, 0.8)
     argv = bench_argv(target, cell, tmp_path, "c16.json", seed=7)
     assert argv[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    opts = dict(zip(argv[5::], argv[6::], strict=False))
+    opts = dict(itertools.pairwise(argv[5:]))
     expected = {
         "--backend": "vllm", "--base-url": "http://127.0.0.1:8765", "--model": "tiny-moe",
         "--tokenizer": "/m/tiny", "--dataset-name": "random", "--random-input-len": "1024",

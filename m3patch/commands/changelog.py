@@ -26,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--head", metavar="REF", help="git ref to check (default: the work tree)")
     check.add_argument("--pr", type=int, metavar="N", help="this PR's number (its pr-link)")
     check.add_argument("--file", type=Path, help=f"the changelog (default: <repo>/{DEFAULT_FILE})")
-    check.add_argument("--repo", metavar="OWNER/NAME", help="GitHub repository of PR links")
-    check.add_argument("--json", type=Path, dest="json_path", help="write the report here")
+    check.add_argument("--repo", metavar="OWNER/NAME", help="GitHub repository of PR links (default: $GITHUB_REPOSITORY,"
+                       " else the github.com origin remote, else m3patch/m3patch)")
+    check.add_argument("--json", type=Path, dest="json_path", metavar="FILE",
+                       help="write the report (findings, new entries, new_recipes) here")
 
 
 def run(args: argparse.Namespace) -> int:
