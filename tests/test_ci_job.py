@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 def _recipe(tmp_path: Path) -> Path:
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     text = text.replace('vllm-version: "0.32.0"', 'vllm-version: "0.33.0"')
-    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {REPO}/patches/vllm-0.33.0")
+    # the committed test series (stable lock) rather than patches/vllm-0.33.0, which moves
+    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {REPO}/tests/data/test-series")
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # vLLM's client rejects 1.0

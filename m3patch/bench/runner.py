@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from m3patch.bench import spec
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, server_died
-from m3patch.bench.sweep import SweepOutcome, SweepSettings, run_sweep
+from m3patch.bench.sweep import SweepOutcome, SweepSettings, refuse_overwrite, run_sweep
 from m3patch.errors import UsageError
 from m3patch.recipe import Recipe, load_recipe
 
@@ -65,7 +65,8 @@ def sweep_session(
 ) -> SweepOutcome:
     provenance = spec.provenance(recipe, python, server)
     return run_sweep(
-        cells, target, settings, provenance=provenance, meta=run_meta(recipe, settings.run_dir, provenance),
+        cells, target, settings, provenance=provenance,
+        meta=run_meta(recipe, settings.run_dir, provenance),
         deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell), check_server=check_server,
     )
 
@@ -94,19 +95,11 @@ def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
         raise UsageError(msg, hint="pass --python PATH (the venv whose vLLM serves)")
     settings = SweepSettings(run_dir, args.resume, args.seed,
                              f"m3patch bench {recipe_path} --resume --run-dir {run_dir}")
-    if args.resume and _all_finished(run_dir, cells):
-        # Nothing to measure: re-aggregate without paying a server start.
-        from m3patch.bench.aggregate import load_aggregate, write_aggregate
-
-        meta = {k: v for k, v in load_aggregate(run_dir).items() if k not in ("schema", "rows")}
-        write_aggregate(run_dir, meta, [cell.cell_id for cell in cells])
+    refuse_overwrite(settings)
+    if args.resume and all_finished(run_dir, cells):
+        _reaggregate(recipe, run_dir, cells)  # nothing to measure: no server start to pay
     elif args.url:
-        target = BenchTarget(Path(python), args.url.rstrip("/"), recipe.model.served_name,
-                             recipe.model.tokenizer)
-        check = health_probe(target.base_url, settings.rerun_hint + f" --url {target.base_url}")
-        check()
-        sweep_session(recipe, python, target, settings, cells, check,
-                      server=f"external {target.base_url} (not started or gated by m3patch)")
+        _sweep_external(recipe, python, args.url.rstrip("/"), settings, cells)
     else:
         from m3patch.serve_session import ServeSession
 
@@ -117,6 +110,26 @@ def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
     if not args.no_plots:
         plot_run(run_dir)
     return 0
+
+
+def _sweep_external(recipe: Recipe, python: str, base_url: str, settings: SweepSettings,
+                    cells: Sequence[Cell]) -> None:
+    target = BenchTarget(Path(python), base_url, recipe.model.served_name, recipe.model.tokenizer)
+    check = health_probe(base_url, f"{settings.rerun_hint} --url {base_url}")
+    check()
+    sweep_session(recipe, python, target, settings, cells, check,
+                  server=f"external {base_url} (not started or gated by m3patch)")
+
+
+def _reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell]) -> None:
+    from m3patch.bench.aggregate import CELLS_DIR, write_aggregate
+    from m3patch.bench.results import read_cell_file
+    from m3patch.output import info
+
+    first = read_cell_file(run_dir / CELLS_DIR / f"{cells[0].cell_id}.json")
+    meta = run_meta(recipe, run_dir, first["m3patch"]["provenance"])
+    write_aggregate(run_dir, meta, [cell.cell_id for cell in cells])
+    info(f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
 def bench_in_session(recipe: Recipe, session: ServeSession, run_dir: Path,
@@ -131,12 +144,11 @@ def bench_in_session(recipe: Recipe, session: ServeSession, run_dir: Path,
     return 0
 
 
-def _all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
-    from m3patch.bench.aggregate import AGGREGATE_JSON, CELLS_DIR
+def all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
+    from m3patch.bench.aggregate import CELLS_DIR
     from m3patch.bench.results import finished_cell
 
-    return (run_dir / AGGREGATE_JSON).is_file() and all(
-        finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
+    return all(finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
 
 
 def plot_run(run_dir: Path) -> list[Path]:

@@ -42,11 +42,16 @@ class SweepOutcome:
     rows: tuple[dict[str, Any], ...]
 
 
-def prepare_run_dir(settings: SweepSettings) -> None:
+def refuse_overwrite(settings: SweepSettings) -> None:
+    """Without --resume, earlier results are never overwritten (checked before any server starts)."""
     cells_dir = settings.run_dir / CELLS_DIR
     if not settings.resume and cells_dir.is_dir() and any(cells_dir.glob("*.json")):
         msg = f"{settings.run_dir} already holds per-cell results"
         raise UsageError(msg, hint="keep them: add --resume; or start a new run with --run-dir NEW")
+
+
+def prepare_run_dir(settings: SweepSettings) -> None:
+    refuse_overwrite(settings)
     for sub in (CELLS_DIR, RAW_DIR, LOGS_DIR):
         (settings.run_dir / sub).mkdir(parents=True, exist_ok=True)
 
