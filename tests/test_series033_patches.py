@@ -105,7 +105,6 @@ def test_table_lookup_order(vllm_tree: Path) -> None:
         "user_defined_config_file_path)", '"m3patch",', "default_config_file_path)"))
     assert user < ours < upstream
     assert "if os.path.exists(config_file_path):" in body  # a missing file falls through
-    assert not (vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch").exists()
 
 
 def test_make_patch_reproduces_the_committed_patches(pristine_033: Path, vllm_tree: Path,

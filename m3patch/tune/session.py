@@ -19,14 +19,14 @@ import triton
 from m3patch.errors import RunDeadline, UsageError
 from m3patch.output import info
 from m3patch.tune import compile_pool
-from m3patch.tune.cache import ResultCache
+from m3patch.tune.cache import ResultCache, launches_needed
 from m3patch.tune.kernel_source import KernelSource, load_kernel
-from m3patch.tune.naming import table_file_name
+from m3patch.tune.naming import default_config, table_file_name
 from m3patch.tune.runner import MoEBench
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
 from m3patch.tune.tuner import BatchBest, Progress, TuneOptions, tune_shape
-from m3patch.tune.writer import Provenance, write_table
+from m3patch.tune.writer import Provenance, SearchRecord, write_table
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,19 @@ def _require_gpu() -> None:
         raise UsageError(msg, hint="run it on the GPU machine the table is for")
 
 
-def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]]) -> None:
+def _on_rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]],
+                cache: ResultCache) -> None:
     """Failures are only logged: the timing pass re-checks every config and records them."""
-    jobs = [job for shape, plan in zip(spec.shapes, plans, strict=True)
-            for job in compile_pool.make_jobs(shape, plan, chunk=8)]
+    rocm = _on_rocm()
+    jobs = []
+    for shape, plan in zip(spec.shapes, plans, strict=True):
+        defaults = {batch: default_config(shape, batch, rocm=rocm) for batch in plan}
+        needed = launches_needed(cache, shape.key, plan, spec.options.refine_top, defaults)
+        jobs += list(compile_pool.make_jobs(shape, needed, chunk=8))
     total = sum(len(job[2]) for job in jobs)
     progress = Progress(total, "compile")
     started = time.monotonic()
@@ -75,22 +84,28 @@ def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]]) -> Non
 
 
 def _provenance(spec: TuneSpec, source: KernelSource, shape: MoEShape,
-                best: dict[int, BatchBest]) -> Provenance:
+                best: dict[int, BatchBest], plan: dict[int, list[TileConfig]]) -> Provenance:
+    rocm = _on_rocm()
+    search = {b: SearchRecord(len(plan[b]), r.timed, r.resumed, r.failed,
+                              default_config(shape, b, rocm=rocm).key, r.default_us)
+              for b, r in best.items()}
     return Provenance(
         device=torch.cuda.get_device_name(), driver=driver_version(),
         torch=torch.__version__, triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         command=spec.command, kernel_origin=source.origin, kernel_sha256=source.source_sha256,
-        shape=shape.key, timings_us={b: r.us for b, r in best.items()})
+        shape=shape.key, timings_us={b: r.us for b, r in best.items()},
+        expert_parallel=shape.expert_parallel, search=search)
 
 
 def run_tune(spec: TuneSpec) -> list[Path]:
     _require_gpu()
     source = load_kernel(spec.vllm_source)
-    plans = [space_for_shape(shape, spec.batches, spec.axes) for shape in spec.shapes]
+    rocm = _on_rocm()
+    plans = [space_for_shape(shape, spec.batches, spec.axes, rocm=rocm) for shape in spec.shapes]
     cache = ResultCache(spec.cache_path)
     if spec.precompile and spec.workers > 0:
-        _precompile(spec, plans)
+        _precompile(spec, plans, cache)
     written: list[Path] = []
     unfinished: list[str] = []
     device = spec.device_name or torch.cuda.get_device_name()
@@ -98,7 +113,7 @@ def run_tune(spec: TuneSpec) -> list[Path]:
         bench = MoEBench(source.kernel, shape)
         progress = Progress(sum(len(c) for c in plan.values()), f"tune {shape.key}")
         with progress.running():
-            best = tune_shape(bench, plan, cache, spec.options, progress)
+            best = tune_shape(bench, plan, cache, spec.options, progress, rocm=rocm)
         del bench
         torch.cuda.empty_cache()
         missing = [b for b in plan if b not in best]
@@ -107,7 +122,7 @@ def run_tune(spec: TuneSpec) -> list[Path]:
             continue
         path = write_table(spec.out_dir, table_file_name(shape, device),
                            {b: r.config for b, r in best.items()},
-                           _provenance(spec, source, shape, best))
+                           _provenance(spec, source, shape, best, plan))
         info(f"wrote {path}")
         written.append(path)
     if unfinished:

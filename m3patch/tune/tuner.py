@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.naming import default_config
 from m3patch.tune.runner import ConfigFailed, MoEBench
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig
@@ -34,6 +35,8 @@ class BatchBest:
     us: float
     timed: int
     failed: int
+    resumed: int = 0  # quick results taken from the cache instead of timed in this run
+    default_us: float | None = None  # vLLM's default, refined beside the best quick picks
 
 
 class Progress:
@@ -77,68 +80,100 @@ def _past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() > deadline
 
 
+@dataclass
+class _Quick:
+    timed: list[tuple[float, TileConfig]]
+    failed: int = 0
+    resumed: int = 0
+
+
 def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[TileConfig],
-                cache: ResultCache, opts: TuneOptions, progress: Progress
-                ) -> tuple[list[tuple[float, TileConfig]], int] | None:
+                cache: ResultCache, opts: TuneOptions, progress: Progress) -> _Quick | None:
     setup = None
-    timed: list[tuple[float, TileConfig]] = []
-    failed = 0
+    quick = _Quick([])
+    timed = quick.timed
     for cfg in configs:
         if _past(opts.deadline):
             return None
         progress.advance()
         if cache.failed(shape.key, batch, cfg.key):
-            failed += 1
+            quick.failed += 1
             continue
         hit = cache.get(shape.key, batch, cfg.key, "quick")
         if hit is not None and hit.us is not None:
             timed.append((hit.us, cfg))
+            quick.resumed += 1
             continue
         setup = setup or bench.setup(batch)
         try:
             error = bench.check(setup, cfg)
         except ConfigFailed as exc:
             cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
-            failed += 1
+            quick.failed += 1
             continue
         us = bench.time(setup, cfg, opts.quick_reps)
         cache.add(Result(shape.key, batch, cfg.key, "quick", us, error))
         timed.append((us, cfg))
-    return sorted(timed), failed
+    timed.sort()
+    return quick
+
+
+def _refine(bench: MoEBench, batch: int, cfg: TileConfig, cache: ResultCache,
+            opts: TuneOptions) -> float | None:
+    """The refine timing of one config (cached or measured now); None past the deadline."""
+    hit = cache.get(bench.shape.key, batch, cfg.key, "refine")
+    if hit is not None and hit.us is not None:
+        return hit.us
+    if _past(opts.deadline):
+        return None
+    us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
+    cache.add(Result(bench.shape.key, batch, cfg.key, "refine", us))
+    return us
+
+
+def refine_candidates(timed: list[tuple[float, TileConfig]], top: int,
+                      default: TileConfig | None) -> list[TileConfig]:
+    """The `top` fastest quick results, plus vLLM's default when it was timed: the pick is
+    then never slower than the default on the refine measurement."""
+    picks = [cfg for _, cfg in timed[:top]]
+    if default is not None and default not in picks and any(c == default for _, c in timed):
+        picks.append(default)
+    return picks
 
 
 def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: ResultCache,
-               opts: TuneOptions, progress: Progress) -> BatchBest | None:
+               opts: TuneOptions, progress: Progress, default: TileConfig | None = None
+               ) -> BatchBest | None:
     shape = bench.shape
     quick = _quick_pass(bench, shape, batch, configs, cache, opts, progress)
     if quick is None:
         return None
-    timed, failed = quick
-    if not timed:
+    if not quick.timed:
         progress.log(f"{shape.key} M={batch}: every config failed")
         return None
     refined: list[tuple[float, TileConfig]] = []
-    for _, cfg in timed[: opts.refine_top]:
-        hit = cache.get(shape.key, batch, cfg.key, "refine")
-        if hit is None or hit.us is None:
-            if _past(opts.deadline):
-                return None
-            us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
-            hit = Result(shape.key, batch, cfg.key, "refine", us)
-            cache.add(hit)
-        refined.append((hit.us or 0.0, cfg))
+    for cfg in refine_candidates(quick.timed, opts.refine_top, default):
+        us = _refine(bench, batch, cfg, cache, opts)
+        if us is None:
+            return None
+        refined.append((us, cfg))
     best_us, best = min(refined)
+    default_us = next((us for us, cfg in refined if cfg == default), None)
     progress.log(f"{shape.key} M={batch}: best {best.key} {best_us:.1f} us "
-                 f"({len(timed)} timed, {failed} failed)")
-    return BatchBest(batch, best, best_us, len(timed), failed)
+                 f"({len(quick.timed)} timed, {quick.resumed} of them resumed, "
+                 f"{quick.failed} failed)")
+    return BatchBest(batch, best, best_us, len(quick.timed), quick.failed, quick.resumed,
+                     default_us)
 
 
 def tune_shape(bench: MoEBench, plan: dict[int, list[TileConfig]], cache: ResultCache,
-               opts: TuneOptions, progress: Progress) -> dict[int, BatchBest]:
+               opts: TuneOptions, progress: Progress, *, rocm: bool = False
+               ) -> dict[int, BatchBest]:
     """Best config per batch size; batch sizes missing from the result were not finished."""
     results: dict[int, BatchBest] = {}
     for batch in sorted(plan):
-        best = tune_batch(bench, batch, plan[batch], cache, opts, progress)
+        default = default_config(bench.shape, batch, rocm=rocm)
+        best = tune_batch(bench, batch, plan[batch], cache, opts, progress, default)
         if best is None and _past(opts.deadline):
             progress.log(f"{bench.shape.key}: deadline reached before M={batch}")
             break

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,32 @@ from m3patch.tune.space import TileConfig
 PROVENANCE_SUFFIX = ".provenance.json"
 TABLE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
               "num_stages")
+
+
+ROUTING_DENSE = (
+    "each of the M tokens picks top_k distinct experts of the E uniformly at random; below "
+    "M*top_k*4 <= E the kernel runs vLLM 0.33.0's naive one-token-per-tile path, as vLLM does")
+ROUTING_EP = (
+    "vLLM's benchmark convention for expert parallelism (benchmarks/kernels/benchmark_moe.py "
+    "--enable-expert-parallel): one rank is tuned as a standalone MoE of its E local experts; "
+    "each of the M tokens picks top_k distinct experts among those E uniformly at random, "
+    "aligned over the E local experts with no expert map, so the rank does M*top_k (token, "
+    "expert) pairs. In a real deployment with EP over R ranks every rank sees all M tokens but "
+    "only about M*top_k/R of the pairs are local (the expert map masks the rest, aligned over "
+    "the global expert count), so the row for batch M was picked for about R times the "
+    "per-expert work the rank does at batch M (R=8 for M3 TP8+EP8)")
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """What the search did at one batch size."""
+
+    space: int  # configs in the pruned space (vLLM's default always among them)
+    timed: int  # of those, with a quick timing
+    resumed: int  # of the timed, taken from the cache of an earlier run
+    failed: int
+    default: str  # vLLM 0.33.0's default config key at this batch size
+    default_us: float | None  # its refine timing, measured beside the picks
 
 
 @dataclass(frozen=True)
@@ -35,6 +61,8 @@ class Provenance:
     kernel_sha256: str
     shape: str
     timings_us: Mapping[int, float]
+    expert_parallel: bool = False
+    search: Mapping[int, SearchRecord] = field(default_factory=dict)
 
 
 def table_dict(best: Mapping[int, TileConfig], triton_version: str) -> dict[str, Any]:
@@ -50,9 +78,17 @@ def provenance_dict(prov: Provenance) -> dict[str, Any]:
         "torch": prov.torch, "triton": prov.triton, "date": prov.date, "command": prov.command,
         "kernel": {"origin": prov.kernel_origin, "fused_moe_py_sha256": prov.kernel_sha256},
         "shape": prov.shape,
+        "routing": ROUTING_EP if prov.expert_parallel else ROUTING_DENSE,
         "median_us_gemm1_plus_gemm2": {str(b): round(us, 2)
                                        for b, us in sorted(prov.timings_us.items())},
+        "search": {str(b): _search_dict(rec) for b, rec in sorted(prov.search.items())},
     }
+
+
+def _search_dict(rec: SearchRecord) -> dict[str, Any]:
+    return {"space": rec.space, "timed": rec.timed, "resumed_from_cache": rec.resumed,
+            "failed": rec.failed, "vllm_default": rec.default,
+            "vllm_default_us": None if rec.default_us is None else round(rec.default_us, 2)}
 
 
 def _dump(path: Path, data: Mapping[str, Any]) -> None:
