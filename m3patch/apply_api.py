@@ -13,24 +13,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
-from m3patch import engine, txn
 from m3patch.checks import (
+    Contents,
     Loaded,
+    Pinned,
     StatusReport,
     VerifyReport,
     classify_all,
+    current_hashes,
     load_patches,
+    pinned,
+    read_files,
     tree_status,
     verify_tree,
 )
-from m3patch.diffs import safe_target
-from m3patch.errors import PatchConflict, UsageError, VerifyFailed, VersionMismatch
-from m3patch.ledger import Ledger, LedgerFile, digest, file_digest, new_ledger, read_ledger
+from m3patch.diffs import check_rel_path, safe_target
+from m3patch.errors import PatchConflict, TreeIOError, UsageError, VerifyFailed, VersionMismatch
+from m3patch.ledger import (
+    Ledger,
+    LedgerFile,
+    file_digest,
+    journal_path,
+    new_ledger,
+    read_ledger,
+)
 from m3patch.locate import VllmTree, check_target
 from m3patch.series import Series
+
+if TYPE_CHECKING:
+    from m3patch import engine, txn
 
 __all__ = ["ApplyReport", "StatusReport", "VerifyReport", "apply_series", "read_ledger",
            "revert_series", "tree_status", "verify_tree"]
@@ -43,9 +59,12 @@ class ApplyReport:
     dry_run: bool
     applied: tuple[str, ...]  # patch ids this run wrote
     already: tuple[str, ...]  # patch ids that were in place before
-    files_written: tuple[str, ...]
+    files_written: tuple[str, ...]  # every path this run wrote or deleted
     offsets: tuple[str, ...]  # offset mode: one line per hunk that moved
     notes: tuple[str, ...]  # journal recovery, version policy, ledger repairs
+    deleted: tuple[str, ...] = ()  # the paths of files_written that were deleted
+    # the already-applied path read and hashed these; verify_tree(contents=...) reuses them
+    contents: Contents | None = field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         if self.mode == "revert":
@@ -86,6 +105,8 @@ def _selected(loaded: Loaded, only: Iterable[str] | None) -> tuple[engine.Chain,
 
 def _plan(loaded: Loaded, chains: Iterable[engine.Chain],
           statuses: dict[str, engine.FileStatus], mode: str) -> list[engine.FilePlan]:
+    from m3patch import engine
+
     plans, conflicts = [], []
     for chain in chains:
         status = statuses[chain.path]
@@ -106,16 +127,17 @@ def _plan(loaded: Loaded, chains: Iterable[engine.Chain],
 
 
 def _ledger_for(loaded: Loaded, tree: VllmTree, mode: str, note: str,
-                plans: list[engine.FilePlan]) -> Ledger:
+                plans: list[engine.FilePlan], made: Mapping[str, tuple[str, ...]]) -> Ledger:
     planned = {p.path: p for p in plans}
-    statuses = loaded.statuses
+    old_dirs = {f.path: f.dirs for f in loaded.ledger.files} if loaded.ledger else {}
     files = []
     for chain in loaded.chains:
         plan = planned.get(chain.path)
         if plan is not None:
-            files.append(LedgerFile(chain.path, plan.pre, plan.post))
-        elif statuses[chain.path].stage == len(chain.steps):
-            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1]))
+            files.append(LedgerFile(chain.path, plan.pre, plan.post, made.get(chain.path, ())))
+        elif loaded.statuses[chain.path].stage == len(chain.steps):
+            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1],
+                                    old_dirs.get(chain.path, ())))
     done = {f.path for f in files}
     patches = tuple(p.id for p in loaded.series.patches
                     if all(c.path in done for c in loaded.chains
@@ -125,9 +147,51 @@ def _ledger_for(loaded: Loaded, tree: VllmTree, mode: str, note: str,
                       files=tuple(files))
 
 
+def _record(ledger: Ledger) -> tuple[object, ...]:
+    return (ledger.series, ledger.mode, ledger.patches, ledger.vllm_version,
+            {f.path: (f.pre, f.post) for f in ledger.files})
+
+
 def _same(a: Ledger | None, b: Ledger) -> bool:
-    return a is not None and (a.series, a.mode, a.patches, a.files, a.vllm_version) == (
-        b.series, b.mode, b.patches, b.files, b.vllm_version)
+    return a is not None and _record(a) == _record(b)
+
+
+def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Per new file, the folders this apply must create for it (shallowest first); a folder
+    needed by two new files is named once, so exactly the created folders are recorded."""
+    made: dict[str, tuple[str, ...]] = {}
+    claimed: set[str] = set()
+    for plan in plans:
+        if plan.pre is not None or plan.post is None:
+            continue
+        parents = list(PurePosixPath(plan.path).parents)[:-2]  # stop above vllm/
+        missing = [str(d) for d in reversed(parents) if not (tree.root / d).exists()]
+        made[plan.path] = tuple(d for d in missing if d not in claimed)
+        claimed.update(missing)
+    return made
+
+
+def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
+                     notes: list[str]) -> ApplyReport | None:
+    """The common case, decided without the lock or any patch parsed: no journal, every file at
+    its final pinned hash, and a ledger that records exactly that. Anything else: None."""
+    series = pins.series
+    if journal_path(tree.root).exists():
+        return None
+    contents = read_files(tree, list(pins.hashes))
+    currents = current_hashes(contents)
+    if any(currents[p] != h[-1] for p, h in pins.hashes.items()):
+        return None
+    try:
+        ledger = read_ledger(tree.root)
+    except TreeIOError:
+        return None
+    ids = tuple(p.id for p in series.patches)
+    want = (series.id, "strict", ids, tree.version, {p: (h[0], h[-1]) for p, h in pins.hashes.items()})
+    if ledger is None or _record(ledger) != want or journal_path(tree.root).exists():
+        return None  # the journal again: a transaction that began while we read
+    return ApplyReport(series.id, "strict", dry_run, (), ids, (), (), tuple(notes),
+                       contents=contents)
 
 
 def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
@@ -137,22 +201,32 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         msg = f"unknown mode {mode!r}"
         raise UsageError(msg, hint="use mode='strict' or mode='offset'")
     note = _version_note(tree, series, mode)
-    patches = load_patches(series)
+    pins = pinned(series)
     notes = [] if note == f"{tree.version} accepted" else [note]
+    if not only and mode == "strict":
+        done = _already_applied(tree, pins, dry_run, notes)
+        if done is not None:
+            return done
+    from m3patch import engine, txn  # here: the already-applied path needs neither
+
+    patches = load_patches(series, pins.raw)
     with txn.tree_lock(tree.root):
         recovered = None if dry_run else txn.recover(tree.root)
         notes += [recovered] if recovered else []
         loaded = classify_all(tree, series, patches)
         chains = _selected(loaded, only)
         plans = _plan(loaded, chains, dict(loaded.statuses), mode)
-        ledger = _ledger_for(loaded, tree, mode, note, plans)
-        old_ledger = loaded.ledger
+        made = _missing_dirs(tree, plans)
+        ledger = _ledger_for(loaded, tree, mode, note, plans, made)
         wanted = {s.patch_id for c in chains for s in c.steps}
         pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
-        if not dry_run and (plans or not _same(old_ledger, ledger)):
+        if not dry_run and (plans or not _same(loaded.ledger, ledger)):
             if not plans:
                 notes.append("files already patched; the ledger was missing or stale: rewritten")
-            changes = [txn.Change(p.path, p.pre, p.post, p.data) for p in plans]
+            by_path = {c.path: c for c in chains}
+            changes = [txn.Change(p.path, p.pre, p.post, p.data,
+                                  engine.new_file_mode(by_path[p.path], "add") if p.pre is None else None,
+                                  made.get(p.path, ())) for p in plans]
             for change in changes:
                 safe_target(tree.root, change.path)
             txn.commit(tree.root, changes, ledger.to_bytes())
@@ -161,39 +235,45 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
     order = [p.id for p in series.patches if p.id in wanted]
     return ApplyReport(series.id, mode, dry_run, tuple(i for i in order if i in pending),
                        tuple(i for i in order if i not in pending),
-                       tuple(p.path for p in plans), offsets, tuple(notes))
+                       tuple(p.path for p in plans), offsets, tuple(notes),
+                       tuple(p.path for p in plans if p.post is None))
+
+
+def revert_plans(loaded: Loaded) -> list[engine.FilePlan]:
+    from m3patch import engine
+
+    plans, conflicts = engine.revert_plans(loaded.chains, loaded.statuses, loaded.contents,
+                                           loaded.ledger)
+    if conflicts:
+        msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
+        raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
+                            f"vllm=={loaded.series.target_version}`")
+    return plans
+
+
+def _revert_change(loaded: Loaded, plan: engine.FilePlan) -> txn.Change:
+    """A file the revert deletes takes the folders the apply made for it (from the ledger)."""
+    from m3patch import engine, txn
+
+    chain = next(c for c in loaded.chains if c.path == plan.path)
+    recorded = {f.path: f.dirs for f in loaded.ledger.files} if loaded.ledger else {}
+    drop = tuple(check_rel_path(d, "ledger.json dirs") for d in recorded.get(plan.path, ()))
+    return txn.Change(plan.path, plan.pre, plan.post, plan.data,
+                      engine.new_file_mode(chain, "delete") if plan.pre is None else None,
+                      drop_dirs=drop if plan.post is None else ())
 
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
+    from m3patch import txn
+
     patches = load_patches(series)
     with txn.tree_lock(tree.root):
         notes = [n for n in [None if dry_run else txn.recover(tree.root)] if n]
         loaded = classify_all(tree, series, patches)
-        ledger = loaded.ledger
-        offset = ledger is not None and ledger.mode == "offset"
-        plans, conflicts = [], []
-        for chain in loaded.chains:
-            status = loaded.statuses[chain.path]
-            data = loaded.contents[chain.path]
-            if offset and status.stage is None and ledger is not None:
-                pins = {f.path: f for f in ledger.files}
-                if chain.path in pins and pins[chain.path].post == status.current:
-                    pre = engine.pre_image(chain, len(chain.steps), data, offset=True)
-                    plans.append(engine.FilePlan(chain.path, status.current,
-                                                 None if pre is None else digest(pre), pre))
-                    continue
-            if status.stage is None:
-                conflicts.extend(engine.diagnosis(status))
-            elif status.stage > 0:
-                pre = engine.pre_image(chain, status.stage, data)
-                plans.append(engine.FilePlan(chain.path, status.current, chain.hashes[0], pre))
-        if conflicts:
-            msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
-            raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
-                                f"vllm=={series.target_version}`")
-        if not dry_run and (plans or ledger is not None):
-            changes = [txn.Change(p.path, p.pre, p.post, p.data) for p in plans]
+        plans = revert_plans(loaded)
+        if not dry_run and (plans or loaded.ledger is not None):
+            changes = [_revert_change(loaded, p) for p in plans]
             for change in changes:
                 safe_target(tree.root, change.path)
             txn.commit(tree.root, changes, None)
@@ -203,7 +283,8 @@ def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> A
     order = [p.id for p in series.patches]
     return ApplyReport(series.id, "revert", dry_run, tuple(i for i in order if i in reverted),
                        tuple(i for i in order if i not in reverted),
-                       tuple(p.path for p in plans), (), tuple(notes))
+                       tuple(p.path for p in plans), (), tuple(notes),
+                       tuple(p.path for p in plans if p.post is None))
 
 
 def _check_written(tree: VllmTree, plans: list[engine.FilePlan]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
@@ -39,7 +40,7 @@ class FilePatch:
     path: str  # relative to the tree root, always under vllm/
     kind: FileKind
     hunks: tuple[Hunk, ...]
-    new_mode: int | None  # from a git "new file mode" header
+    new_mode: int | None  # permission bits of a git "new file mode" (add) / "deleted file mode"
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,12 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
+_NAME_MAX, _PATH_MAX = 255, 4000  # bytes; Linux NAME_MAX and (with room for the root) PATH_MAX
+
+
 def check_rel_path(path: str, where: str) -> str:
-    """Refuse absolute paths, `..`, and anything outside vllm/ (HostilePatch, exit 9)."""
+    """Refuse absolute paths, `..`, anything outside vllm/ or inside m3patch's own state folder,
+    and names the file system cannot hold (HostilePatch, exit 9)."""
     posix = PurePosixPath(path)
     hint = "patch paths must look like a/vllm/... and b/vllm/... relative to the tree root"
     if posix.is_absolute() or path.startswith("\\") or re.match(r"^[A-Za-z]:", path):
@@ -79,6 +84,13 @@ def check_rel_path(path: str, where: str) -> str:
         raise HostilePatch(msg, hint=hint)
     if len(posix.parts) < 2 or posix.parts[0] != "vllm":
         msg = f"{where}: path {path!r} is not under vllm/"
+        raise HostilePatch(msg, hint=hint)
+    if posix.parts[1] == ".m3patch":
+        msg = f"{where}: path {path!r} is inside m3patch's state folder vllm/.m3patch/"
+        raise HostilePatch(msg, hint=hint)
+    sizes = [len(encode(part)) for part in posix.parts]
+    if max(sizes) > _NAME_MAX or sum(sizes) + len(sizes) > _PATH_MAX:
+        msg = f"{where}: path {path[:60]!r}... is longer than the file system allows"
         raise HostilePatch(msg, hint=hint)
     return str(posix)
 
@@ -103,10 +115,12 @@ def _hunk_lines(hunk: UnidiffHunk) -> tuple[list[str], list[str]]:
     return old, new
 
 
-def _file_kind(pf: PatchedFile) -> FileKind:
-    if pf.is_added_file:
+def _file_kind(pf: PatchedFile, info: str) -> FileKind:
+    """From /dev/null or git's mode headers only: unidiff's is_added_file is also true for a
+    single `@@ -0,0` hunk, which is how git diffs an edit of an existing EMPTY file."""
+    if pf.source_file == "/dev/null" or re.search(r"^new file mode ", info, re.M):
         return "add"
-    if pf.is_removed_file:
+    if pf.target_file == "/dev/null" or re.search(r"^deleted file mode ", info, re.M):
         return "delete"
     return "modify"
 
@@ -126,7 +140,7 @@ def _check_file(pf: PatchedFile, info: str, where: str) -> str:
     if len(set(paths)) > 1 or pf.is_rename:
         msg = f"{where}: rename {source} -> {target} is not supported"
         raise UsageError(msg, hint="express a rename as a delete plus an add")
-    if not pf.is_added_file and not pf.is_removed_file and any(
+    if _file_kind(pf, info) == "modify" and any(
         m.startswith(("old mode", "new mode")) for m in info.splitlines()
     ):
         msg = f"{where}: mode change on {target} is not supported"
@@ -155,8 +169,9 @@ def parse_patch(data: bytes, name: str) -> PatchFile:
             old, new = _hunk_lines(hunk)
             hunks.append(Hunk(index, hunk.source_start, tuple(old), hunk.target_start,
                               tuple(new), str(hunk.section_header or "")))
-        modes = [int(m, 8) for m in _MODE_RE.findall(info)]
-        files.append(FilePatch(path, _file_kind(pf), tuple(hunks), modes[-1] if modes else None))
+        modes = [stat.S_IMODE(int(m, 8)) for m in _MODE_RE.findall(info)]
+        files.append(FilePatch(path, _file_kind(pf, info), tuple(hunks),
+                               modes[-1] if modes else None))
     if not files:
         msg = f"{name}: contains no file diffs"
         raise UsageError(msg, hint="check that the file is a unified diff")
@@ -175,8 +190,12 @@ def safe_target(root: Path, rel: str) -> Path:
     current = root
     for depth, part in enumerate(parts, start=1):
         current = current / part
-        if not current.is_symlink():
-            continue
+        try:
+            if not current.is_symlink():
+                continue
+        except OSError as exc:  # e.g. ENAMETOOLONG, ELOOP: nothing m3patch can write there
+            msg = f"{current}: cannot inspect the patch target: {exc.strerror}"
+            raise HostilePatch(msg, hint="m3patch writes only plain paths inside the tree") from None
         resolved = Path(os.path.realpath(current))
         if depth == len(parts):
             msg = f"{current}: the patch target is a symlink (-> {resolved})"

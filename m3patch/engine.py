@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from m3patch import hunks as hk
 from m3patch.diffs import FilePatch, Hunk, PatchFile, decode, encode, split_lines
 from m3patch.errors import PatchConflict
-from m3patch.ledger import digest
+from m3patch.ledger import Ledger, digest
 from m3patch.series import FilePin, PatchPin
 
 PRISTINE, APPLIED, PARTIAL, DRIFTED, UPSTREAM = (
@@ -163,6 +163,34 @@ def pre_image(chain: Chain, stage: int, data: bytes | None, *, offset: bool = Fa
             msg = f"{chain.path}: undoing {step.patch_id} gives sha256 {got}, lock pins {step.pin.pre}"
             raise PatchConflict(msg, hint="m3patch status shows the file's state")
     return data
+
+
+def new_file_mode(chain: Chain, kind: str) -> int | None:
+    """The mode git recorded for the file where a step adds ("add") or deletes ("delete") it."""
+    return next((s.file.new_mode for s in chain.steps if s.file.kind == kind), None)
+
+
+def revert_plans(chains: Sequence[Chain], statuses: Mapping[str, FileStatus],
+                 contents: Mapping[str, bytes | None],
+                 ledger: Ledger | None) -> tuple[list[FilePlan], list[str]]:
+    """(plans back to the pinned pre-images, diagnosis lines of files no pin explains); after an
+    offset apply, a file equal to the post-image the ledger recorded is undone at offsets."""
+    offset = ledger is not None and ledger.mode == "offset"
+    recorded = {f.path: f.post for f in ledger.files} if ledger is not None else {}
+    plans, conflicts = [], []
+    for chain in chains:
+        status = statuses[chain.path]
+        data = contents[chain.path]
+        if offset and status.stage is None and recorded.get(chain.path, "") == status.current:
+            pre = pre_image(chain, len(chain.steps), data, offset=True)
+            plans.append(FilePlan(chain.path, status.current,
+                                  None if pre is None else digest(pre), pre))
+        elif status.stage is None:
+            conflicts.extend(diagnosis(status))
+        elif status.stage > 0:
+            pre = pre_image(chain, status.stage, data)
+            plans.append(FilePlan(chain.path, status.current, chain.hashes[0], pre))
+    return plans, conflicts
 
 
 def patch_states(chains: Sequence[Chain], statuses: Mapping[str, FileStatus]) -> dict[str, str]:

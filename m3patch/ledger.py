@@ -42,11 +42,17 @@ def ledger_path(root: Path) -> Path:
     return state_dir(root) / "ledger.json"
 
 
+def journal_path(root: Path) -> Path:
+    """Present only while a transaction runs, or after one was killed (txn.recover)."""
+    return state_dir(root) / "journal.json"
+
+
 @dataclass(frozen=True)
 class LedgerFile:
     path: str
     pre: str | None
     post: str | None
+    dirs: tuple[str, ...] = ()  # folders the apply created for this (new) file; revert removes them
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,21 @@ def new_ledger(*, series: str, mode: str, vllm_version: str, vllm_commit: str | 
                   vllm_commit, version_note, patches, files, stamp)
 
 
+def _dirs(raw: object) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(d, str) for d in raw):
+        msg = f"'dirs' must be a list of paths, not {raw!r}"
+        raise TypeError(msg)
+    return tuple(raw)
+
+
 def parse_ledger(data: bytes, where: str) -> Ledger:
     try:
         raw = json.loads(data)
         if raw["schema"] != LEDGER_SCHEMA:
             msg = f"{where}: ledger schema {raw['schema']} is not {LEDGER_SCHEMA}"
             raise TreeIOError(msg, hint="m3patch revert with the m3patch that wrote it")
-        files = tuple(LedgerFile(f["path"], f["pre"], f["post"]) for f in raw["files"])
+        files = tuple(LedgerFile(f["path"], f["pre"], f["post"], _dirs(f.get("dirs", [])))
+                      for f in raw["files"])
         return Ledger(raw["schema"], raw["tool"], raw["series"], raw["mode"],
                       raw["vllm_version"], raw["vllm_commit"], raw["version_note"],
                       tuple(raw["patches"]), files, raw["time"])

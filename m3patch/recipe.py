@@ -8,6 +8,7 @@ resolved here (pure); starting the process is the supervisor's job.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -131,9 +132,11 @@ def _sweep(raw: object) -> Sweep:
             with at_key(index):
                 rows.append(_sweep_row(row))
     with at_key("range-ratio"):
-        ratio = expect_number(data.get("range-ratio", 1.0), minimum=0.0)
-        if ratio > 1.0:
-            msg = f"range-ratio must be in [0, 1], got {ratio}"
+        # vLLM >= 0.9 samples lengths in [L(1-r), L(1+r)] and rejects r >= 1 at bench time;
+        # catch it here, with the recipe key, before any server starts.
+        ratio = expect_number(data.get("range-ratio", 0.0), minimum=0.0)
+        if ratio >= 1.0:
+            msg = f"range-ratio must be in [0, 1), got {ratio}"
             raise SchemaError(msg)
     return Sweep(tuple(rows), expect_int(data.get("prompts-per-concurrency", 10), minimum=1),
                  expect_int(data.get("warmups-per-concurrency", 2), minimum=0), ratio)
@@ -169,15 +172,37 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         results = Path(expand(expect_str(data.get("results", f"results/{name}"))))
     markers, counts = _section(data, "markers", partial(sec.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", sec.server)
+    sweep = _section(data, "sweep", _sweep)
+    _check_lengths_fit(sweep, data.get("vllm-args"))
     return Recipe(
         name=name, path=path, description=str(data.get("description", "")).strip(),
         target=_section(data, "target", sec.target), series_dir=series_dir, model=model,
         host=host, port=port, parallelism=_section(data, "parallelism", sec.parallelism),
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
         env=_section(data, "env", sec.env), speculative_json=spec_json,
-        sweep=_section(data, "sweep", _sweep), markers=markers, marker_counts=counts,
+        sweep=sweep, markers=markers, marker_counts=counts,
         deadlines=_section(data, "deadlines", sec.deadlines), results_dir=results,
     )
+
+
+def _check_lengths_fit(sweep: Sweep, vllm_args: object) -> None:
+    """Every sampled prompt + output must fit `max-model-len`, or requests fail mid-sweep.
+
+    vLLM's random dataset samples lengths in [L(1-r), L(1+r)] (InferenceX's old vendored
+    client used [rL, L]), so the longest request is ceil(isl(1+r)) + ceil(osl(1+r)).
+    """
+    limit = vllm_args.get("max-model-len") if isinstance(vllm_args, dict) else None
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        return
+    for index, row in enumerate(sweep.rows):
+        longest = math.ceil(row.isl * (1 + sweep.range_ratio)) + math.ceil(
+            row.osl * (1 + sweep.range_ratio))
+        if longest > limit:
+            msg = (f"isl {row.isl} + osl {row.osl} with range-ratio {sweep.range_ratio} reach "
+                   f"{longest} tokens, over vllm-args.max-model-len {limit}; lower range-ratio "
+                   f"or raise max-model-len")
+            with at_key("sweep"), at_key("rows"), at_key(index):
+                raise SchemaError(msg)
 
 
 def _speculative_json(spec: dict[str, Any], draft: str | None) -> str | None:

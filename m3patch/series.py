@@ -154,8 +154,12 @@ def _patch(raw: object, directory: Path) -> PatchEntry:
     with schema.at_key("id"):
         patch_id = _ident(data["id"])
     with schema.at_key("file"):
-        if "/" in values["file"] or not (directory / values["file"]).is_file():
+        path = directory / values["file"]
+        if "/" in values["file"] or not path.is_file():
             msg = f"patch file {values['file']!r} not found in {directory}"
+            raise schema.SchemaError(msg)
+        if path.is_symlink():  # is_file() follows links: one could read a diff from anywhere
+            msg = f"patch file {values['file']!r} is a symlink; keep the real file in {directory}"
             raise schema.SchemaError(msg)
     with schema.at_key("upstream"):
         upstream = schema.str_list(data["upstream"])

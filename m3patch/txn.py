@@ -1,12 +1,14 @@
 """Effects: a journaled, all-or-nothing replacement of files in the tree, under a lock.
 
 Order of writes (each one is a numbered "step" for the fault hook):
-  1 journal(phase=stage)  2.. backup links + staged post-images  journal(phase=commit)
-  renames/unlinks  ledger  cleanup  journal removal.
+  1 journal(phase=stage)  2.. backup links, new folders + staged post-images
+  journal(phase=commit)  renames/unlinks  ledger  cleanup  [removal of folders]  journal removal.
 The journal is written before anything else, so a killed run always leaves one behind; the next
 run (`recover`) rolls a `stage` journal back and completes a `commit` journal when every staged
 file is present with its post-image hash, else restores the backups (hard links of the
-pre-images, so no data is copied and nothing is written through a link).
+pre-images, so no data is copied and nothing is written through a link). Folders created for new
+files are named in the journal before they are made, so a rollback removes exactly those (and a
+revert removes the ones the ledger says the apply made); a pre-existing folder is never removed.
 
 Test-only fault hook: M3PATCH_FAULT=kill-after:N sends SIGKILL to this process right after
 write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-transaction).
@@ -24,9 +26,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from m3patch.errors import LockTimeout, TreeIOError
-from m3patch.ledger import digest, file_digest, ledger_path, state_dir
+from m3patch.ledger import file_digest, journal_path, ledger_path, state_dir
 
 JOURNAL = "journal.json"
 DEFAULT_LOCK_TIMEOUT_S = 300.0
@@ -38,6 +41,9 @@ class Change:
     pre: str | None
     post: str | None  # None = delete
     data: bytes | None  # the post-image
+    mode: int | None = None  # permission bits of a new file (git "new file mode"); default 0644
+    make_dirs: tuple[str, ...] = ()  # missing folders to create for a new file, shallowest first
+    drop_dirs: tuple[str, ...] = ()  # folders to remove (when empty) after the file is deleted
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,13 @@ class Entry:
     post: str | None
     stage: str | None  # file name beside the target
     backup: str | None
+    made_dirs: tuple[str, ...] = ()
+    drop_dirs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Entry:
+        return cls(raw["path"], raw["pre"], raw["post"], raw["stage"], raw["backup"],
+                   tuple(raw.get("made_dirs", ())), tuple(raw.get("drop_dirs", ())))
 
 
 class _Steps:
@@ -104,7 +117,10 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+DEFAULT_MODE = 0o644
+
+
+def write_new(path: Path, data: bytes, mode: int = DEFAULT_MODE) -> None:
     """Create `path` as a new inode (never through an existing link), fsynced."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -126,41 +142,41 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _journal_path(root: Path) -> Path:
-    return state_dir(root) / JOURNAL
-
-
 def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes | None) -> None:
     body = {"phase": phase, "entries": [asdict(e) for e in entries],
             "ledger": None if ledger is None else ledger.decode()}
-    atomic_write(_journal_path(root), json.dumps(body, indent=1).encode())
+    atomic_write(journal_path(root), json.dumps(body, indent=1).encode())
 
 
 def _keep_owner(stage: Path, target: Path) -> None:
     info = target.stat()
-    stage.chmod(stat.S_IMODE(info.st_mode))
     mine = stage.stat()
     if (mine.st_uid, mine.st_gid) != (info.st_uid, info.st_gid):
         os.chown(stage, info.st_uid, info.st_gid)
+    stage.chmod(stat.S_IMODE(info.st_mode))  # after chown, which may clear set-id bits
 
 
 def _entry(change: Change) -> Entry:
     name = Path(change.path).name
     stage = f".{name}.m3patch-new" if change.post is not None else None
     backup = f".{name}.m3patch-pre" if change.pre is not None else None
-    return Entry(change.path, change.pre, change.post, stage, backup)
+    return Entry(change.path, change.pre, change.post, stage, backup, change.make_dirs,
+                 change.drop_dirs)
 
 
-def _stage(root: Path, change: Change, entry: Entry, new_mode: int, steps: _Steps) -> None:
+def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
     target = root / change.path
     if entry.backup is not None:
         with contextlib.suppress(FileNotFoundError):
             (target.parent / entry.backup).unlink()
         os.link(target, target.parent / entry.backup)  # a second name for the pre-image, no copy
         steps.done()
+    if entry.made_dirs:
+        for rel in entry.made_dirs:
+            (root / rel).mkdir(exist_ok=True)
+        steps.done()
     if entry.stage is not None and change.data is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_new(target.parent / entry.stage, change.data, new_mode)
+        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE)
         if change.pre is not None:
             _keep_owner(target.parent / entry.stage, target)
         steps.done()
@@ -191,11 +207,22 @@ def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Step
             with contextlib.suppress(FileNotFoundError):
                 ((root / entry.path).parent / entry.backup).unlink()
     steps.done()
-    _journal_path(root).unlink()
+    if any(e.drop_dirs for e in entries):
+        _remove_dirs(root, [d for e in entries for d in e.drop_dirs])
+        steps.done()
+    journal_path(root).unlink()
     steps.done()
 
 
-def commit(root: Path, changes: list[Change], ledger: bytes | None, new_mode: int = 0o644) -> None:
+def _remove_dirs(root: Path, dirs: list[str]) -> None:
+    """Remove these folders, deepest first, where empty; one holding anything else stays."""
+    safe = {d for d in dirs if d.startswith("vllm/") and ".." not in d.split("/")}
+    for rel in sorted(safe, key=lambda d: d.count("/"), reverse=True):
+        with contextlib.suppress(OSError):
+            (root / rel).rmdir()
+
+
+def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
     """Replace every file, write (or with None remove) the ledger; all or nothing."""
     steps = _Steps()
     entries = [_entry(c) for c in changes]
@@ -203,7 +230,7 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None, new_mode: in
         _write_journal(root, "stage", entries, ledger)
         steps.done()
         for change, entry in zip(changes, entries, strict=True):
-            _stage(root, change, entry, new_mode, steps)
+            _stage(root, change, entry, steps)
         _write_journal(root, "commit", entries, ledger)
         steps.done()
         for entry in entries:
@@ -235,8 +262,9 @@ def _rollback(root: Path, entries: list[Entry]) -> None:
         elif entry.pre is None:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
+    _remove_dirs(root, [d for e in entries for d in e.made_dirs])
     with contextlib.suppress(FileNotFoundError):
-        _journal_path(root).unlink()
+        journal_path(root).unlink()
 
 
 def _completable(root: Path, entry: Entry) -> bool:
@@ -249,7 +277,7 @@ def _completable(root: Path, entry: Entry) -> bool:
 
 def recover(root: Path) -> str | None:
     """Finish or undo a transaction a killed run left behind; call it holding the lock."""
-    path = _journal_path(root)
+    path = journal_path(root)
     try:
         body = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -257,7 +285,7 @@ def recover(root: Path) -> str | None:
     except (OSError, ValueError) as exc:
         msg = f"{path}: unreadable journal ({exc})"
         raise TreeIOError(msg, hint=f"inspect it, restore the tree, then delete {path}") from None
-    entries = [Entry(**e) for e in body["entries"]]
+    entries = [Entry.from_json(e) for e in body["entries"]]
     ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
     if body["phase"] == "commit" and all(_completable(root, e) for e in entries):
         for entry in entries:
@@ -266,7 +294,3 @@ def recover(root: Path) -> str | None:
         return "completed an interrupted transaction found in the journal"
     _rollback(root, entries)
     return "rolled back an interrupted transaction found in the journal"
-
-
-def content_digest(data: bytes | None) -> str | None:
-    return None if data is None else digest(data)

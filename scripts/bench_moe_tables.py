@@ -71,7 +71,8 @@ def bf16_best(kernel: object, shape: MoEShape, batches: list[int], cache: Result
     out = {}
     with progress.running():
         for batch in batches:
-            best = tune_batch(bench, batch, plan[batch], cache, TuneOptions(5, 25, 3), progress)
+            best = tune_batch(bench, batch, plan[batch], cache, TuneOptions(5, 25, 3), progress,
+                              naming.default_config(bf16, batch))
             if best is not None:
                 out[batch] = (best.config.key, best.us)
     return out

@@ -121,7 +121,8 @@ def kills_phase(rng: random.Random, root: Path, count: int) -> Phase:
         state = verified_state(root)
         want = "applied" if command == "apply" else "pristine"
         if state != want:
-            phase.broken.append(f"kill {index}: after a clean {command} the tree is {state}")
+            phase.broken.append(f"kill {index}: after a clean {command} the tree is {state}; "
+                                f"leftovers {leftovers(root)[:3]}")
         else:
             phase.verified_after += 1
     return phase
@@ -147,7 +148,8 @@ def concurrency_round(rng: random.Random, root: Path, size: int, phase: Phase) -
     _, err = final.communicate(timeout=120)
     if final.returncode != 0 or verified_state(root) != "applied":
         phase.broken.append(f"size {size}: final apply exited {final.returncode}, tree "
-                            f"{verified_state(root)}: {err.strip()[-300:]}")
+                            f"{verified_state(root)}, leftovers {leftovers(root)[:3]}: "
+                            f"{err.strip()[-300:]}")
     else:
         phase.verified_after += 1
 

@@ -1,6 +1,10 @@
 """Ship-table step for issue 7: per batch size keep whichever of the tuned config and vLLM's
 default measured faster in the interleaved bench (bench.json), so a shipped table is never
-slower than the fallback on that measurement; then write the table and its provenance."""
+slower than the fallback on that measurement; then write the table and its provenance (with
+the routing convention the timings assume, added when the tuner that made them did not record it).
+
+    python3 scripts/merge_moe_tables.py TUNED_DIR BENCH_JSON OUT_DIR
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-from m3patch.tune.space import TileConfig
-from m3patch.tune.writer import PROVENANCE_SUFFIX, read_table, table_dict
-
-
-def _cfg(key: str) -> TileConfig:
-    parts = dict((p[0], int(p[1:])) for p in key.split("-") if p[0] in "MNKG")
-    warps = int(key.split("-w")[1].split("-")[0])
-    stages = int(key.split("-s")[1])
-    return TileConfig(parts["M"], parts["N"], parts["K"], parts["G"], warps, stages)
+from m3patch.tune.tile import TileConfig
+from m3patch.tune.writer import (
+    PROVENANCE_SUFFIX,
+    ROUTING_DENSE,
+    ROUTING_EP,
+    read_table,
+    table_dict,
+)
 
 
 def main(tuned_dir: Path, bench: Path, out_dir: Path) -> None:
@@ -31,13 +34,14 @@ def main(tuned_dir: Path, bench: Path, out_dir: Path) -> None:
         for row in (r for r in rows if r["shape"] == prov["shape"]):
             use_default = row["default_us"] < row["tuned_us"]
             key = row["default_config"] if use_default else row["tuned_config"]
-            picked[row["batch"]] = _cfg(key)
+            picked[row["batch"]] = TileConfig.from_key(key)
             choice[str(row["batch"])] = {"kept": "vllm-default" if use_default else "tuned",
                                          "tuned_us": round(row["tuned_us"], 1),
                                          "default_us": round(row["default_us"], 1)}
         assert set(picked) == set(tuned), "bench must cover every tuned batch size"
         (out_dir / table_path.name).write_text(
             json.dumps(table_dict(picked, prov["triton"]), indent=4) + "\n")
+        prov.setdefault("routing", ROUTING_EP if prov["shape"].endswith(",ep") else ROUTING_DENSE)
         prov["selection"] = {"rule": "faster of tuned and vLLM default per batch size, from "
                                      "scripts/bench_moe_tables.py (bench.json)", "per_batch": choice}
         (out_dir / (table_path.name + PROVENANCE_SUFFIX)).write_text(json.dumps(prov, indent=2) + "\n")

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# The exact device command for issue 7's tables (one H200, torch+triton, no vLLM, no network).
-# Usage on the device, from the repo root, with the vLLM 0.33.0 fused_moe.py carried in
-# .devcarry/vllm/... and OUT set:  bash scripts/tune_h200.sh [TIME_BUDGET_S]
-# A previous run's cache in .devcarry/tune-cache.jsonl is resumed from.
+# The device command for issue 7's tables (one H200, torch+triton, no vLLM, no network): tune
+# both M3 shapes, then measure tuned vs vLLM default vs BF16 (scripts/bench_moe_tables.py) in
+# the same call. From the repo root on the device, OUT set:
+#   bash scripts/tune_h200.sh [TUNE_BUDGET_S] [CARRY]
+# CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py and, to
+# resume an earlier run, its tune-cache.jsonl. Everything comes back as <= 8 plain-named files
+# (the tables are packed in tables.tar: their names hold '=' and '[').
 set -euo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/tune-out}
 BUDGET=${1:-470}
-mkdir -p "$OUT/tables"
+CARRY=${2:-.devcarry}
+mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   date -u +%Y-%m-%dT%H:%M:%SZ; } > "$OUT/env.txt" 2>&1
-if [[ -f .devcarry/tune-cache.jsonl ]]; then cp .devcarry/tune-cache.jsonl "$OUT/tune-cache.jsonl"; fi
-# Smoke: a tiny shape end to end, so a broken path fails in seconds, not after the budget.
-timeout 150 python3 -m m3patch tune --shape 8,256,512,2 --batch-sizes 4,64 --workers 4 \
-  --vllm-source .devcarry --out-dir /tmp/tune-smoke --quick-reps 2 --refine-reps 3
+if [[ -f $CARRY/tune-cache.jsonl ]]; then cp "$CARRY/tune-cache.jsonl" "$OUT/tune-cache.jsonl"; fi
+SECONDS=0
 python3 -m m3patch tune --shape 16,3072,6144,4,ep --shape 128,384,6144,4 \
-  --batch-sizes default --vllm-source .devcarry --out-dir "$OUT/tables" \
-  --cache "$OUT/tune-cache.jsonl" --workers 14 --time-budget "$BUDGET"
+  --batch-sizes default --vllm-source "$CARRY" --out-dir /tmp/tables \
+  --cache "$OUT/tune-cache.jsonl" --workers 14 --time-budget "$BUDGET" > "$OUT/tune.log" 2>&1 \
+  || { tail -20 "$OUT/tune.log"; exit 1; }
+echo "tune: ${SECONDS} s" | tee -a "$OUT/tune.log"
+tar -C /tmp -cf "$OUT/tables.tar" tables
+SECONDS=0
+python3 scripts/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" \
+  --out "$OUT/bench.json" 2> "$OUT/bench.log" | tee "$OUT/bench.txt"
+echo "bench: ${SECONDS} s" | tee -a "$OUT/bench.log"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import io
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -17,3 +20,36 @@ def replace_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".hand-edit")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def new_file_diff(rel: str, lines: list[str], mode: str = "100644") -> str:
+    """A git diff that adds `rel` with `lines` and git's `new file mode`."""
+    body = "".join(f"+{line}\n" for line in lines)
+    return (f"diff --git a/{rel} b/{rel}\nnew file mode {mode}\nindex 0000000..1111111\n"
+            f"--- /dev/null\n+++ b/{rel}\n@@ -0,0 +1,{len(lines)} @@\n{body}")
+
+
+def append_diff(root: Path, rel: str, line: str) -> str:
+    """A git diff appending one line to the real file `rel` (exact, made with difflib)."""
+    old = (root / rel).read_text().splitlines(keepends=True)
+    new = [*old, f"{line}\n"]
+    diff = difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}")
+    return f"diff --git a/{rel} b/{rel}\n" + "".join(diff)
+
+
+def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Path:
+    """A locked series (ids p1, p2, ...) of these diffs, pinned against `pristine_root`."""
+    from m3patch.main import main
+
+    directory.mkdir(parents=True)
+    entries = []
+    for index, text in enumerate(patches, start=1):
+        (directory / f"{index:04d}-p{index}.patch").write_text(text)
+        entries.append(f"  - {{id: p{index}, file: {index:04d}-p{index}.patch, summary: s, "
+                       "why: w, upstream: [], drop-when: never}\n")
+    (directory / "series.yaml").write_text(
+        "schema: 1\nid: made\ntarget: {vllm-version: '0.33.0'}\npatches:\n" + "".join(entries))
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["series", "lock", "--series", str(directory), "--tree", str(pristine_root)])
+    assert code == 0, f"series lock failed with {code}"
+    return directory

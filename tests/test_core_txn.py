@@ -50,6 +50,34 @@ def test_sigkill_at_every_write_step_then_rerun_completes(
     assert killed_at == list(range(1, 19))
 
 
+@pytest.mark.slow
+def test_sigkill_at_every_write_step_of_a_revert_then_rerun_reverts(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    args = ("revert", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    tree, series = tree_at(vllm_tree), load_series(test_series)
+    killed_at = []
+    for step in range(1, 60):
+        apply_series(tree, series)
+        assert verify_tree(tree, series).ok
+        fault = m3patch_cli(*args, env={"M3PATCH_FAULT": f"kill-after:{step}"})
+        if fault.returncode == 0:
+            break  # the revert has fewer write steps than `step`: every one was covered
+        assert fault.returncode == -signal.SIGKILL, fault.stderr
+        killed_at.append(step)
+        journal = (state_dir(vllm_tree) / "journal.json").exists()
+        rerun = m3patch_cli(*args)  # the next run is a real CLI run, as a job would do it
+        assert rerun.returncode == 0, (step, rerun.stderr)
+        assert journal == ("interrupted transaction" in rerun.stderr), step
+        assert verify_against_record(vllm_tree) == [], step
+        assert not (vllm_tree / "vllm/m3patch_test_added.py").exists(), step
+        assert leftovers(vllm_tree) == [] and read_ledger(vllm_tree) is None, step
+        assert not (state_dir(vllm_tree) / "journal.json").exists(), step
+    # journal, 4 backup links + 4 staged pre-images, journal, 5 renames/unlinks, ledger removal,
+    # cleanup, journal removal
+    assert killed_at == list(range(1, 19))
+    assert verify_against_record(vllm_tree) == []
+
+
 @pytest.mark.parametrize("step", [1, 2, 5, 9, 10, 12, 15])
 def test_io_error_mid_apply_restores_every_file(
         vllm_tree: Path, test_series: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:

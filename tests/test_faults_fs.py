@@ -108,10 +108,10 @@ def test_verify_and_status_work_on_a_read_only_patched_tree(
         assert cli("status", "--vllm-root", str(ro), "--series", str(test_series))[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: apply_api.apply_series takes txn.tree_lock (opens vllm/.m3patch/lock O_RDWR) before "
-    "it knows there is nothing to write, so `m3patch apply` (and serve's apply+verify) on an "
-    "already patched READ-ONLY tree exits 7 instead of 0 'already applied'"))
+# Regression (found by this suite, fixed by the owner):
+# "bug: apply_api.apply_series takes txn.tree_lock (opens vllm/.m3patch/lock O_RDWR) before "
+# "it knows there is nothing to write, so `m3patch apply` (and serve's apply+verify) on an "
+# "already patched READ-ONLY tree exits 7 instead of 0 'already applied'"
 def test_apply_on_a_read_only_already_patched_tree_is_a_no_op(
         vllm_tree: Path, test_series: Path, tmp_path: Path) -> None:
     assert cli(*apply_args(vllm_tree, test_series))[0] == 0
@@ -230,10 +230,10 @@ def test_tree_on_another_filesystem_than_tmpdir(pristine_033: Path, test_series:
         assert files_of(root) == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: txn._stage mkdir(parents=True)s the folders of an added file; neither txn._rollback "
-    "(failed apply) nor revert removes them, so an empty vllm/<new>/ stays behind (importable "
-    "as a namespace package) and the tree is not restored"))
+# Regression (found by this suite, fixed by the owner):
+# "bug: txn._stage mkdir(parents=True)s the folders of an added file; neither txn._rollback "
+# "(failed apply) nor revert removes them, so an empty vllm/<new>/ stays behind (importable "
+# "as a namespace package) and the tree is not restored"
 def test_failed_apply_and_revert_leave_no_new_folders(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from m3patch.apply_api import apply_series, revert_series

@@ -16,12 +16,13 @@ import pytest
 from scripts import fuzz_loaders as fz
 
 FUZZ_INPUTS = 120
-AGGREGATE_BUG = ("bug: bench/aggregate.py _check_row accepts a non-scalar dp_attention; "
+AGGREGATE_BUG = ("bug: bench/aggregate.py _check_row accepted a non-scalar dp_attention; "
                  "`bench compare` then dies with TypeError unhashable (exit 70, not 17)")
-KNOWN_BUGS = {  # loaders whose fixed-seed fuzz run hits a known bug (see the targeted tests)
-    "bench result file": "bug: bench/results.py read_json_object lets UnicodeDecodeError escape "
-                         "(a result file that is not UTF-8 exits 70, not 17)",
-}
+# Found by this fuzz and fixed by their owners (regression tests below); a loader listed in
+# KNOWN_BUGS runs as xfail(strict) until its bug is fixed.
+UTF8_BUG = ("bug: bench/results.py read_json_object let UnicodeDecodeError escape "
+            "(a result file that is not UTF-8 exited 70, not 17)")
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _params() -> list[object]:
@@ -57,7 +58,6 @@ def _aggregate(tmp_path: Path) -> dict[str, object]:
     return dict(json.loads(fz._aggregate_seed(tmp_path)))
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["bench result file"])
 def test_bench_compare_on_a_non_utf8_aggregate_exits_17(tmp_path: Path) -> None:
     path = tmp_path / "aggregate.json"
     path.write_bytes(json.dumps(_aggregate(tmp_path)).encode().replace(b"cpu_tiny", b"cpu\xfftiny"))
@@ -67,7 +67,6 @@ def test_bench_compare_on_a_non_utf8_aggregate_exits_17(tmp_path: Path) -> None:
     assert outcome.code == 17, outcome.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=AGGREGATE_BUG)
 def test_bench_compare_with_a_mapping_for_dp_attention_exits_17(tmp_path: Path) -> None:
     data = _aggregate(tmp_path)
     data["rows"][0]["dp_attention"] = {"k": 1}  # type: ignore[index]

@@ -267,12 +267,12 @@ def test_any_drift_in_a_touched_file_is_refused_byte_identical(
         assert not os.path.exists(root / "vllm/.m3patch/journal.json")
 
 
-EMPTY_BUG = ("bug: diffs.py _file_kind trusts unidiff's is_added_file, which is true for any "
+EMPTY_BUG = (  # found by this suite; fixed in diffs.py, kept as a regression test
+   "bug: diffs.py _file_kind trusts unidiff's is_added_file, which is true for any "
              "single '@@ -0,0 ...' hunk, so a patch to an EXISTING empty file (git: --- a/x) is "
              "taken for an add and refused: 'adds this file but it already exists'")
 
 
-@pytest.mark.xfail(strict=True, reason=EMPTY_BUG)
 def test_patch_to_an_empty_real_file(vllm_tree: Path, tmp_path: Path) -> None:
     """vLLM 0.33.0 ships 120 empty .py files; git diffs a change to one as `@@ -0,0 +1 @@`."""
     rel = "vllm/entrypoints/openai/__init__.py"
@@ -291,10 +291,6 @@ def test_patch_to_an_empty_real_file(vllm_tree: Path, tmp_path: Path) -> None:
     assert (vllm_tree / rel).read_bytes() == b"M3PATCH = 1\n"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: diffs.py _file_kind trusts unidiff's is_removed_file, true for any single "
-    "'@@ -1,N +0,0 @@' hunk, so a patch that empties a file (git: +++ b/x, no 'deleted file "
-    "mode') deletes it instead of leaving 0 bytes"))
 def test_patch_that_empties_a_real_file(vllm_tree: Path, tmp_path: Path) -> None:
     """git diffs emptying a file (it stays, 0 bytes) as `@@ -1,N +0,0 @@` with no delete header."""
     rel = "vllm/envs.py"

@@ -119,3 +119,19 @@ def test_env_variables_in_paths_expand(tmp_path: Path, monkeypatch: pytest.Monke
     recipe = load_recipe(REPO / "recipes" / "cpu_tiny_moe.yaml")
     assert recipe.model.source == str(tmp_path / "m") and recipe.model.is_local
     assert recipe.model.tokenizer == recipe.model.source
+
+
+@pytest.mark.parametrize(("ratio", "ok"), [(0.0, True), (0.5, True), (0.9, False), (1.0, False)])
+def test_sampled_lengths_must_fit_max_model_len(tmp_path: Path, ratio: float, ok: bool) -> None:
+    # cpu_tiny_moe: isl 32 + osl 16 under max-model-len 512 fits up to r < 1; shrink the limit so
+    # r = 0.9 overflows: ceil(32*1.9) + ceil(16*1.9) = 61 + 31 = 92 > 90.
+    data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
+    vllm_args = {**data["vllm-args"], "max-model-len": 90}
+    sweep = {**data["sweep"], "range-ratio": ratio}
+    path = variant(tmp_path, {"vllm-args": vllm_args, "sweep": sweep})
+    if ok:
+        assert load_recipe(path).sweep.range_ratio == ratio
+        return
+    with pytest.raises(SchemaError) as info:
+        load_recipe(path)
+    assert "sweep" in info.value.trail[1] and "range-ratio" in str(info.value)

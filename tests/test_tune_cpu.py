@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 
 from m3patch.errors import ResultsInvalid, UsageError
 from m3patch.pristine import pristine_tree
-from m3patch.tune import kernel_source, naming, space
+from m3patch.tune import kernel_source, naming
 from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.selection import launches_needed, refine_candidates
 from m3patch.tune.shapes import (
     DEFAULT_BATCH_SIZES,
     MoEShape,
@@ -20,8 +22,16 @@ from m3patch.tune.shapes import (
     parse_explicit_shape,
     shapes_from_model_config,
 )
-from m3patch.tune.space import FULL_AXES, TileConfig
-from m3patch.tune.writer import Provenance, nearest_config, read_table, write_table
+from m3patch.tune.tile import TileConfig
+from m3patch.tune.writer import (
+    ROUTING_DENSE,
+    ROUTING_EP,
+    Provenance,
+    SearchRecord,
+    nearest_config,
+    read_table,
+    write_table,
+)
 
 M3_CONFIG = {"hidden_size": 6144, "intermediate_size": 3072, "num_local_experts": 128,
              "num_experts_per_tok": 4, "n_shared_experts": 1}
@@ -54,6 +64,9 @@ def test_shape_errors_say_what_and_how() -> None:
     with pytest.raises(UsageError, match="does not divide"):
         shapes_from_model_config(M3_CONFIG, tp=5, ep=False, fused_shared_experts=False,
                                  dtype="fp8_w8a8", block_shape=BLOCK)
+    with pytest.raises(UsageError, match="shared-expert count"):
+        shapes_from_model_config({**M3_CONFIG, "n_shared_experts": 0}, tp=8, ep=False,
+                                 fused_shared_experts=True, dtype="fp8_w8a8", block_shape=BLOCK)
     with pytest.raises(UsageError, match="expert count"):
         shapes_from_model_config({"hidden_size": 1}, tp=1, ep=False,
                                  fused_shared_experts=False, dtype="bf16", block_shape=None)
@@ -72,30 +85,6 @@ def test_explicit_shape_and_list_parsing() -> None:
     assert parse_batch_sizes("64,1,64") == (1, 64)
     with pytest.raises(UsageError):
         parse_batch_sizes("0,4")
-
-
-@pytest.mark.parametrize("shape", [EP8, TP8])
-def test_pruned_space_respects_the_block_fp8_launch_clamp(shape: MoEShape) -> None:
-    plan = space.space_for_shape(shape, DEFAULT_BATCH_SIZES, FULL_AXES)
-    for batch, configs in plan.items():
-        assert configs, batch
-        for cfg in configs:
-            assert cfg.block_k <= 128 and 128 % cfg.block_n == 0
-            assert space.fits_shared_memory(cfg, 1)
-    full = len(space.all_configs(FULL_AXES))
-    assert max(len(c) for c in plan.values()) < full / 4
-
-
-def test_pruning_rules_follow_tokens_per_expert() -> None:
-    # E=128, M=1: vLLM's naive path (one token per tile): only 16-row tiles make sense.
-    assert space.uses_naive_assignment(TP8, 8) and not space.uses_naive_assignment(TP8, 9)
-    assert not space.uses_naive_assignment(EP8, 1)  # EP passes an expert map: always aligned
-    assert {c.block_m for c in space.configs_for_batch(TP8, 1, FULL_AXES)} == {16}
-    big = space.configs_for_batch(EP8, 8192, FULL_AXES)  # 2048 tokens per expert
-    assert {c.block_m for c in big} == {64, 128}
-    assert any(c.group_m > 1 for c in big)
-    small = space.configs_for_batch(EP8, 16, FULL_AXES)  # 4 tokens per expert
-    assert all(c.group_m == 1 and c.block_m == 16 for c in small)
 
 
 def test_file_names_follow_vllm() -> None:
@@ -196,3 +185,47 @@ def test_result_cache_resumes_and_skips_torn_lines(tmp_path: Path) -> None:
     hit = again.get(EP8.key, 64, "M16", "quick")
     assert hit is not None and hit.us == 12.5
     assert again.failed(EP8.key, 64, "M32") and not again.failed(EP8.key, 64, "M16")
+
+
+def test_provenance_records_the_routing_convention_and_the_search(tmp_path: Path) -> None:
+    search = {1: SearchRecord(48, 48, 24, 0, "M16-N64-K128-G1-w4-s4", 65.4)}
+    ep = dataclasses.replace(_prov(), expert_parallel=True, search=search)
+    path = write_table(tmp_path, naming.table_file_name(EP8, "NVIDIA H200"),
+                       {1: TileConfig(16, 64, 128, 1, 4, 4)}, ep)
+    prov = json.loads(path.with_name(path.name + ".provenance.json").read_text())
+    assert prov["routing"] == ROUTING_EP and "benchmark_moe.py" in prov["routing"]
+    assert prov["search"]["1"] == {"space": 48, "timed": 48, "resumed_from_cache": 24,
+                                   "failed": 0, "vllm_default": "M16-N64-K128-G1-w4-s4",
+                                   "vllm_default_us": 65.4}
+    dense = write_table(tmp_path / "d", "t.json", {1: TileConfig(16, 64, 128, 1, 4, 4)}, _prov())
+    assert json.loads((dense.parent / "t.json.provenance.json").read_text())["routing"] == (
+        ROUTING_DENSE)
+
+
+def test_tile_key_round_trips() -> None:
+    cfg = TileConfig(64, 128, 128, 32, 4, 3)
+    assert cfg.key == "M64-N128-K128-G32-w4-s3"
+    assert TileConfig.from_key(cfg.key) == cfg
+    with pytest.raises(ValueError, match="not a tile key"):
+        TileConfig.from_key("M64-N128")
+
+
+def test_refine_takes_the_fastest_and_vllms_default() -> None:
+    a, b, c, d = (TileConfig(16, n, 128, 1, 4, 3) for n in (32, 64, 128, 256))
+    timed = [(1.0, a), (2.0, b), (3.0, c), (4.0, d)]
+    assert refine_candidates(timed, 2, d) == [a, b, d]
+    assert refine_candidates(timed, 2, a) == [a, b]
+    failed_default = TileConfig(128, 256, 128, 1, 8, 5)  # not timed: nothing to refine
+    assert refine_candidates(timed, 2, failed_default) == [a, b]
+
+
+def test_a_resumed_run_precompiles_only_what_it_will_launch(tmp_path: Path) -> None:
+    a, b, c, d = (TileConfig(16, n, 128, 1, 4, 3) for n in (32, 64, 128, 256))
+    cache = ResultCache(tmp_path / "c.jsonl")
+    for us, cfg in ((5.0, a), (1.0, b), (9.0, c)):
+        cache.add(Result(EP8.key, 64, cfg.key, "quick", us))
+    cache.add(Result(EP8.key, 64, d.key, "failed", None, note="OutOfResources"))
+    new = TileConfig(64, 128, 128, 32, 4, 3)
+    plan = {64: [a, b, c, d, new]}
+    assert launches_needed(cache, EP8.key, plan, 1, {64: c}) == {64: [new, b, c]}
+    assert launches_needed(cache, EP8.key, plan, 2, {64: new}) == {64: [new, b, a]}

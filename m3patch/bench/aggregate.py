@@ -127,6 +127,14 @@ def _check_row(row: object, where: str, file: Path) -> None:
         value = row[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise invalid(file, f"{where}.{key}", f"expected a positive integer, got {value!r}")
+    if not isinstance(row["dp_attention"], bool):
+        raise invalid(file, f"{where}.dp_attention", f"expected true/false, got {row['dp_attention']!r}")
+    for key in ("cell_id", "parallelism"):
+        if not isinstance(row[key], str):
+            raise invalid(file, f"{where}.{key}", f"expected a string, got {row[key]!r}")
+    ratio = row["range_ratio"]
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise invalid(file, f"{where}.range_ratio", f"expected a number, got {ratio!r}")
     tput = row["tput_per_gpu"]
     if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:
         raise invalid(file, f"{where}.tput_per_gpu", f"expected a number >= 0, got {tput!r}")

@@ -36,11 +36,13 @@ def invalid(where: Path | str, key: str | None, problem: str) -> ResultsInvalid:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise invalid(path, None, "missing") from None
     except OSError as exc:
         raise invalid(path, None, f"cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise invalid(path, None, f"not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text)
     except ValueError as exc:

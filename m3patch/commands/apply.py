@@ -28,12 +28,14 @@ def run(args: argparse.Namespace) -> int:
     for line in report.offsets:
         err(f"m3patch: offset: {line}")
     for path in report.files_written:
-        say(f"{'would write' if args.dry_run else 'wrote'} {path}")
+        verb = ("would delete" if args.dry_run else "deleted") if path in report.deleted else (
+            "would write" if args.dry_run else "wrote")
+        say(f"{verb} {path}")
     if not report.applied:
         say(f"m3patch: series {series.id} already applied to {tree.root}")
     if args.verify and not args.dry_run:
-        verify = verify_tree(tree, series)
+        verify = verify_tree(tree, series, contents=report.contents)
         verify.raise_for_failure()
-        say(f"m3patch: verified {len(verify.checked)} file(s)")
+        say(f"m3patch: verified {len(verify.checked)} file(s); compiled with {verify.compiler}")
     say(report.summary())
     return 0

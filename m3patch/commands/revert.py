@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     for note in report.notes:
         err(f"m3patch: {note}")
     for path in report.files_written:
-        say(f"{'would restore' if args.dry_run else 'restored'} {path}")
+        verb = "remove" if path in report.deleted else "restore"  # a file the series added
+        say(f"would {verb} {path}" if args.dry_run else f"{verb}d {path}")
     say(report.summary())
     return 0

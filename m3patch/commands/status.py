@@ -1,14 +1,26 @@
-"""`m3patch status [--json]`: per patch, per file and per hunk state; files win over the ledger."""
+"""`m3patch status [--json]`: per patch, per file and per hunk state; files win over the ledger.
+
+Exit 0 when every file is pristine or applied (the series may be partly applied, patch by patch);
+exit 5 (PatchConflict) when any file is partially applied, drifted, or already upstream, i.e. a
+state that neither `apply` nor `revert` takes as it is. The report is printed either way.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from m3patch.commands.common import add_series_option, add_tree_options, say, tree_and_series
+from m3patch.errors import PatchConflict
+
+if TYPE_CHECKING:
+    from m3patch.checks import StatusReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit 0: every file pristine or applied; exit 5: a file is partially "
+                     "applied, drifted or upstreamed (see docs/exit-codes.md)")
     add_tree_options(parser)
     add_series_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -16,14 +28,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from m3patch.apply_api import tree_status
-    from m3patch.output import table
 
     tree, series = tree_and_series(args)
     report = tree_status(tree, series)
     if args.json:
         say(json.dumps(report.to_json(), indent=2))
-        return 0
-    table(f"{series.id} on {tree.root} (vLLM {tree.version})", ["patch", "state", "can drop", "summary"],
+    else:
+        _print_tables(report, f"{series.id} on {tree.root} (vLLM {tree.version})")
+    if report.conflicts:
+        msg = (f"{len(report.conflicts)} file(s) that neither apply nor revert can take: "
+               + ", ".join(report.conflicts))
+        raise PatchConflict(msg, hint="restore them with `pip install --force-reinstall --no-deps "
+                            f"vllm=={series.target_version}`, then `m3patch apply`")
+    return 0
+
+
+def _print_tables(report: StatusReport, title: str) -> None:
+    from m3patch.output import table
+
+    table(title, ["patch", "state", "can drop", "summary"],
           [[p["id"], p["state"], "yes" if p["can_drop"] else "no", p["summary"]]
            for p in report.patches])
     table("files", ["file", "state", "patches"],
@@ -36,4 +59,3 @@ def run(args: argparse.Namespace) -> int:
     counts = [p["state"] for p in report.patches]
     say(f"m3patch: {counts.count('applied')} applied, {counts.count('pending')} pending, "
         f"{len(counts) - counts.count('applied') - counts.count('pending')} conflicts")
-    return 0

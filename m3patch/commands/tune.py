@@ -1,13 +1,14 @@
 """`m3patch tune`: tune vLLM's fused-MoE Triton kernel on this GPU and write vLLM tables.
 
-Shapes come from a model config (`--model-config config.json --tp 8 [--ep]`) or are given
-(`--shape E,N,K,TOPK`, repeatable). torch/triton are imported only once arguments are valid.
+Shapes come from a recipe (`--recipe R.yaml`: its model's config.json and its TP/DP/EP and
+shared-expert fusion), a model config (`--model-config config.json --tp 8 [--ep]`) or are
+given (`--shape E,N,K,TOPK`, repeatable). `--plan` prints the shapes, table names and search
+space and stops. torch/triton are imported only once arguments are valid.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -32,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to tune")
     what.add_argument("--shape", action="append", default=[], metavar="E,N,K,TOPK",
                       help="explicit shape (repeatable), e.g. 16,3072,6144,4")
-    what.add_argument("--model-config", type=Path, help="a Hugging Face config.json")
-    what.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with --model-config)")
+    what.add_argument("--recipe", type=Path,
+                      help="a recipe YAML: shape from its model config and parallelism")
+    what.add_argument("--model-config", type=Path,
+                      help="a Hugging Face config.json (with --recipe: instead of the recipe "
+                           "model's own)")
+    what.add_argument("--tp", type=int, help="MoE ranks, TP x DP (with --model-config; default 1)")
     what.add_argument("--ep", action="store_true", help="expert parallelism over the TP ranks")
     what.add_argument("--fused-shared-experts", action="store_true",
                       help="shared expert fused into the routed ones (E+1; no EP)")
@@ -54,29 +59,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--refine-top", type=int, default=4)
     how.add_argument("--time-budget", type=float, help="seconds; stop cleanly (resumable) after")
     how.add_argument("--device-name", help="device name for the file name (default: this GPU's)")
+    how.add_argument("--plan", action="store_true",
+                     help="print shapes, table file names and search-space sizes; no GPU")
+
+
+def _block(dtype: str, text: str) -> tuple[int, int] | None:
+    block = parse_block_shape(text) if dtype == "fp8_w8a8" else None
+    if dtype == "fp8_w8a8" and block is None:
+        msg = "--dtype fp8_w8a8 is tuned here for block quantization only"
+        raise UsageError(msg, hint="pass --block-shape 128,128")
+    return block
+
+
+def _recipe_shape(args: argparse.Namespace, dtype: str, block: tuple[int, int] | None
+                  ) -> MoEShape:
+    given = [flag for flag, on in (("--tp", args.tp is not None), ("--ep", args.ep),
+                                   ("--fused-shared-experts", args.fused_shared_experts)) if on]
+    if given:
+        msg = f"{', '.join(given)} cannot be combined with --recipe: the recipe sets parallelism"
+        raise UsageError(msg, hint=f"edit parallelism/env in {args.recipe}, or use "
+                                   f"--model-config with {' '.join(given)} instead of --recipe")
+    from m3patch.recipe import load_recipe
+    from m3patch.tune.recipe_shapes import shape_for_recipe
+
+    return shape_for_recipe(load_recipe(args.recipe), model_config=args.model_config,
+                            dtype=dtype, block_shape=block)
 
 
 def _shapes(args: argparse.Namespace) -> tuple[MoEShape, ...]:
     dtype = check_dtype(args.dtype)
-    block = parse_block_shape(args.block_shape) if dtype == "fp8_w8a8" else None
-    if dtype == "fp8_w8a8" and block is None:
-        msg = "--dtype fp8_w8a8 is tuned here for block quantization only"
-        raise UsageError(msg, hint="pass --block-shape 128,128")
-    if bool(args.shape) == bool(args.model_config):
-        msg = "give either --shape (one or more) or --model-config, not both or neither"
-        raise UsageError(msg, hint="m3patch tune --shape 16,3072,6144,4 --ep")
+    block = _block(dtype, args.block_shape)
+    sources = [flag for flag, on in (("--shape", bool(args.shape)), ("--recipe", bool(args.recipe)),
+               ("--model-config", bool(args.model_config) and not args.recipe)) if on]
+    if len(sources) != 1:
+        msg = ("give exactly one of --shape (one or more), --recipe or --model-config"
+               + (f"; got {', '.join(sources)}" if sources else ""))
+        raise UsageError(msg, hint="m3patch tune --recipe recipes/h200_tp8.yaml")
+    if args.recipe:
+        return (_recipe_shape(args, dtype, block),)
     if args.shape:
         return tuple(parse_explicit_shape(text, dtype=dtype, block_shape=block, ep=args.ep)
                      for text in args.shape)
-    try:
-        config = json.loads(args.model_config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{args.model_config}: cannot read a JSON model config ({exc})"
-        raise UsageError(msg, hint="pass the model's config.json") from exc
-    return (shapes_from_model_config(config, tp=args.tp, ep=args.ep,
+    from m3patch.tune.recipe_shapes import read_model_config
+
+    return (shapes_from_model_config(read_model_config(args.model_config),
+                                     tp=1 if args.tp is None else args.tp, ep=args.ep,
                                      fused_shared_experts=args.fused_shared_experts,
                                      dtype=dtype, block_shape=block,
                                      where=str(args.model_config)),)
+
+
+def _print_plan(shapes: tuple[MoEShape, ...], batches: tuple[int, ...], axes: SpaceAxes,
+                device_name: str | None) -> None:
+    from m3patch.tune.naming import table_file_name
+    from m3patch.tune.space import space_for_shape
+
+    for shape in shapes:
+        plan = space_for_shape(shape, batches, axes)
+        name = table_file_name(shape, device_name) if device_name else "(this GPU's name)"
+        sizes = ", ".join(f"{batch}:{len(configs)}" for batch, configs in plan.items())
+        print(f"shape {shape.key}\n  table {name}\n  configs per batch size {sizes}")
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -95,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     batches = parse_batch_sizes(args.batch_sizes)
     _check_counts(args)
     axes: SpaceAxes = AXES[args.space]
+    if args.plan:
+        _print_plan(shapes, batches, axes, args.device_name)
+        return 0
     try:
         from m3patch.tune.session import TuneSpec, run_tune
         from m3patch.tune.tuner import TuneOptions

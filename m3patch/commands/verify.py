@@ -19,6 +19,9 @@ def run(args: argparse.Namespace) -> int:
     report = verify_tree(tree, series)
     for note in report.notes:
         err(f"m3patch: {note}")
+    if not report.ok:
+        err(f"m3patch: compiled with {report.compiler}")
     report.raise_for_failure()
     say(f"m3patch: {series.id}: {len(report.checked)} file(s) equal their pinned post-images")
+    say(f"m3patch: compiled with {report.compiler}")
     return 0

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m3patch.tune.tile import TileConfig
-
 
 @dataclass(frozen=True)
 class Result:
@@ -69,29 +67,3 @@ class ResultCache:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
 
-
-def launches_needed(cache: ResultCache, shape_key: str, plan: dict[int, list[TileConfig]],
-                    refine_top: int, defaults: dict[int, TileConfig]
-                    ) -> dict[int, list[TileConfig]]:
-    """The configs a resumed run still launches, per batch size: those with no cached quick
-    result or failure, plus the fastest cached ones and the default, which the refine step
-    may time. Precompiling only these keeps a resumed run from recompiling the whole space."""
-    needed: dict[int, list[TileConfig]] = {}
-    for batch, configs in plan.items():
-        cached: list[tuple[float, TileConfig]] = []
-        fresh: list[TileConfig] = []
-        for cfg in configs:
-            if cache.failed(shape_key, batch, cfg.key):
-                continue
-            hit = cache.get(shape_key, batch, cfg.key, "quick")
-            if hit is not None and hit.us is not None:
-                cached.append((hit.us, cfg))
-            else:
-                fresh.append(cfg)
-        cached.sort()
-        refine = [cfg for _, cfg in cached[:refine_top]]
-        default = defaults.get(batch)
-        if default is not None and default not in fresh and default not in refine:
-            refine.append(default)
-        needed[batch] = fresh + refine
-    return needed

@@ -82,8 +82,8 @@ def shapes_from_model_config(
             msg = f"{where}: {what} {total} does not divide by {parts} ranks"
             raise UsageError(msg, hint="choose a --tp that divides the model's expert count/width")
     local = experts // split_experts
-    if fused_shared_experts:
-        local += 1
+    if fused_shared_experts:  # vLLM's num_fused_shared_experts = n_shared_experts
+        local += _first_int(config, ("n_shared_experts",), "shared-expert count", where)
     return MoEShape(local, width // split_width, hidden, top_k, dtype, block_shape, ep)
 
 

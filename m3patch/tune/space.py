@@ -116,6 +116,13 @@ def all_configs(axes: SpaceAxes) -> list[TileConfig]:
     return [TileConfig(*values) for values in grid]
 
 
+def _prefer(cfg: TileConfig, held: TileConfig, default: TileConfig) -> bool:
+    """Between two configs with one schedule: the default, else the larger GROUP_SIZE_M."""
+    if held == default:
+        return False
+    return cfg == default or cfg.group_m > held.group_m
+
+
 def drop_group_duplicates(configs: Iterable[TileConfig], shape: MoEShape, batch: int,
                           default: TileConfig) -> list[TileConfig]:
     """One config per distinct program order: GROUP_SIZE_M >= num_pid_m all give
@@ -125,7 +132,7 @@ def drop_group_duplicates(configs: Iterable[TileConfig], shape: MoEShape, batch:
         tiles = m_tiles(shape, batch, cfg.block_m)
         schedule = replace(cfg, group_m=min(cfg.group_m, tiles))
         held = kept.get(schedule)
-        if held is None or held != default and (cfg == default or cfg.group_m > held.group_m):
+        if held is None or _prefer(cfg, held, default):
             kept[schedule] = cfg
     return sorted(kept.values())
 

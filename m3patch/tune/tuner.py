@@ -16,6 +16,7 @@ from typing import Any
 from m3patch.tune.cache import Result, ResultCache
 from m3patch.tune.naming import default_config
 from m3patch.tune.runner import ConfigFailed, MoEBench
+from m3patch.tune.selection import refine_candidates
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig
 
@@ -129,16 +130,6 @@ def _refine(bench: MoEBench, batch: int, cfg: TileConfig, cache: ResultCache,
     us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
     cache.add(Result(bench.shape.key, batch, cfg.key, "refine", us))
     return us
-
-
-def refine_candidates(timed: list[tuple[float, TileConfig]], top: int,
-                      default: TileConfig | None) -> list[TileConfig]:
-    """The `top` fastest quick results, plus vLLM's default when it was timed: the pick is
-    then never slower than the default on the refine measurement."""
-    picks = [cfg for _, cfg in timed[:top]]
-    if default is not None and default not in picks and any(c == default for _, c in timed):
-        picks.append(default)
-    return picks
 
 
 def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: ResultCache,

@@ -1,0 +1,69 @@
+"""`m3patch status` exit codes: 0 for a pristine or (partly) applied tree, 5 for a file that
+neither apply nor revert can take; the report is printed in both cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core_helpers import CliRunner, replace_file
+
+from m3patch import errors
+from m3patch.apply_api import apply_series
+from m3patch.locate import tree_at
+from m3patch.series import load_series
+
+LOGGER = "vllm/logger.py"
+
+
+def status(cli: CliRunner, root: Path, series: Path, *extra: str) -> tuple[int, str, str]:
+    proc = cli("status", *extra, "--vllm-root", str(root), "--series", str(series))
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_pristine_partly_and_fully_applied_trees_exit_0(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    assert status(m3patch_cli, vllm_tree, test_series)[0] == 0
+    tree, series = tree_at(vllm_tree), load_series(test_series)
+    apply_series(tree, series, only=["version-banner"])  # one patch in, two pending: consistent
+    code, out, err = status(m3patch_cli, vllm_tree, test_series, "--json")
+    assert code == 0, err
+    assert json.loads(out)["conflicts"] == []
+    apply_series(tree, series)
+    assert status(m3patch_cli, vllm_tree, test_series)[0] == 0
+
+
+def test_partially_applied_file_exits_5_after_printing_the_report(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    logger = vllm_tree / LOGGER
+    line = '_DATE_FORMAT = "%m-%d %H:%M:%S"\n'
+    mark = '_M3PATCH_TEST_MARK = "m3patch[test-series]: logger patched"\n'
+    replace_file(logger, logger.read_text().replace(line, line + mark, 1).encode())
+    code, out, err = status(m3patch_cli, vllm_tree, test_series)
+    assert code == errors.PatchConflict.exit_code, err
+    assert "logger-marks hunk 2 @ line 419: pending" in out
+    assert "1 file(s) that neither apply nor revert can take: vllm/logger.py" in err
+    assert "fix: restore them with `pip install --force-reinstall" in err
+    code, out, _ = status(m3patch_cli, vllm_tree, test_series, "--json")
+    assert code == errors.PatchConflict.exit_code
+    assert json.loads(out)["conflicts"] == [LOGGER]
+
+
+def test_drifted_file_exits_5(vllm_tree: Path, test_series: Path,
+                              m3patch_cli: CliRunner) -> None:
+    version = vllm_tree / "vllm/version.py"
+    replace_file(version, version.read_bytes() + b"# edited by hand\n")
+    code, out, err = status(m3patch_cli, vllm_tree, test_series)
+    assert code == errors.PatchConflict.exit_code, err
+    assert "vllm/version.py" in err and "Traceback" not in err
+
+
+def test_offset_applied_tree_is_applied_not_drifted(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    logger = vllm_tree / LOGGER
+    replace_file(logger, b"# two lines a nightly added\n\n" + logger.read_bytes())
+    apply_series(tree_at(vllm_tree), load_series(test_series), mode="offset")
+    code, out, err = status(m3patch_cli, vllm_tree, test_series, "--json")
+    assert code == 0, err
+    files = {f["path"]: f["state"] for f in json.loads(out)["files"]}
+    assert files[LOGGER] == "applied (offset)"
