@@ -41,6 +41,7 @@ from m3patch.ledger import (
     journal_path,
     new_ledger,
     read_ledger,
+    state_dir,
 )
 from m3patch.locate import VllmTree, check_target
 from m3patch.series import Series
@@ -147,9 +148,8 @@ def _ledger_for(loaded: Loaded, tree: VllmTree, mode: str, note: str,
                       files=tuple(files))
 
 
-def _record(ledger: Ledger) -> tuple[object, ...]:
-    return (ledger.series, ledger.mode, ledger.patches, ledger.vllm_version,
-            {f.path: (f.pre, f.post) for f in ledger.files})
+def _record(led: Ledger) -> tuple[object, ...]:
+    return led.series, led.mode, led.patches, led.vllm_version, {f.path: (f.pre, f.post) for f in led.files}
 
 
 def _same(a: Ledger | None, b: Ledger) -> bool:
@@ -176,7 +176,10 @@ def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
     """The common case, decided without the lock or any patch parsed: no journal, every file at
     its final pinned hash, and a ledger that records exactly that. Anything else: None."""
     series = pins.series
-    if journal_path(tree.root).exists():
+    try:  # a journal, or a temp file of a killed run: the locked path recovers and cleans up
+        if not {p.name for p in state_dir(tree.root).iterdir()} <= {"ledger.json", "lock"}:
+            return None
+    except OSError:
         return None
     contents = read_files(tree, list(pins.hashes))
     currents = current_hashes(contents)

@@ -54,7 +54,8 @@ def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
 def all_markers(recipe: Recipe, ledger_sha256: str | None) -> tuple[mk.MarkerSpec, ...]:
     """Series markers (recipe counts applied), the recipe's own, and the exact ledger digest."""
     from_series = series_markers(recipe)
-    merged = mk.merge_markers(from_series, recipe.markers, dict(recipe.marker_counts))
+    merged = mk.merge_markers(from_series, recipe.markers, dict(recipe.marker_counts),
+                              dict(recipe.marker_waivers))
     provenance = any(m.text.startswith(PROVENANCE_PREFIX) for m in from_series)
     if ledger_sha256 is None or not provenance:
         return merged

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from m3patch import __version__
-from m3patch.errors_handler import handle_errors
 
 
 class Command(NamedTuple):
@@ -69,6 +68,11 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
+        print(f"m3patch {__version__}")
+        return 0
+    from m3patch.errors_handler import handle_errors
+
     global_args, name, rest = _split(args)
     top = _top_parser()
     ns = top.parse_args(global_args)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from m3patch.errors import MarkerForbidden, MarkerMissing, UsageError
+from m3patch.schema import suggest
 
 MarkerKind = Literal["required", "forbidden"]
 REGEX_PREFIX = "regex:"
@@ -152,18 +153,32 @@ def check_log_bytes(data: bytes, specs: tuple[MarkerSpec, ...], *, log_name: str
 
 
 def merge_markers(
-    series: tuple[MarkerSpec, ...], recipe: tuple[MarkerSpec, ...], counts: dict[str, int]
+    series: tuple[MarkerSpec, ...], recipe: tuple[MarkerSpec, ...], counts: dict[str, int],
+    waivers: dict[str, str] | None = None,
 ) -> tuple[MarkerSpec, ...]:
     """Series markers first, with the recipe's expected counts applied by id, then the recipe's.
 
-    A recipe adds and never removes: an id given twice keeps both specs (both must hold).
+    A recipe adds and never silently removes: an id given twice keeps both specs (both must
+    hold); a series marker is dropped only by an explicit waiver with a reason, and the
+    provenance markers can never be waived.
     """
+    waivers = waivers or {}
     known = {s.id for s in (*series, *recipe)}
     for marker_id in counts:
         if marker_id not in known:
             msg = f"markers.counts names {marker_id!r}, which no patch or recipe declares"
             raise UsageError(msg, hint=f"use one of: {', '.join(sorted(known))}")
+    series_ids = {s.id for s in series}
+    for marker_id in waivers:
+        if marker_id not in series_ids:
+            msg = (f"markers.waive names {marker_id!r}, which is not a marker of the series for "
+                   f"this platform.{suggest(marker_id, series_ids)}")
+            raise UsageError(msg, hint="waive only series markers; recipe markers can be deleted")
+        if marker_id.startswith("provenance"):
+            msg = f"markers.waive: {marker_id!r} proves the server runs the patched tree"
+            raise UsageError(msg, hint=f"remove {marker_id!r} from markers.waive")
     merged = [
-        MarkerSpec(s.id, s.kind, s.text, s.declared_by, counts.get(s.id, s.count)) for s in series
+        MarkerSpec(s.id, s.kind, s.text, s.declared_by, counts.get(s.id, s.count))
+        for s in series if s.id not in waivers
     ]
     return (*merged, *recipe)

@@ -76,6 +76,7 @@ class Recipe:
     sweep: Sweep
     markers: tuple[MarkerSpec, ...]
     marker_counts: tuple[tuple[str, int], ...]
+    marker_waivers: tuple[tuple[str, str], ...]
     deadlines: Deadlines
     results_dir: Path
 
@@ -170,7 +171,8 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         spec_json = _speculative_json(spec, model.draft)
     with at_key("results"):
         results = Path(expand(expect_str(data.get("results", f"results/{name}"))))
-    markers, counts = _section(data, "markers", partial(sec.markers, source=f"recipe {path}"))
+    markers, counts, waivers = _section(data, "markers",
+                                        partial(sec.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", sec.server)
     sweep = _section(data, "sweep", _sweep)
     _check_lengths_fit(sweep, data.get("vllm-args"))
@@ -181,6 +183,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
         env=_section(data, "env", sec.env), speculative_json=spec_json,
         sweep=sweep, markers=markers, marker_counts=counts,
+        marker_waivers=waivers,
         deadlines=_section(data, "deadlines", sec.deadlines), results_dir=results,
     )
 

@@ -186,8 +186,14 @@ def _marker_list(raw: object, kind: str, source: str) -> list[MarkerSpec]:
 
 
 def markers(data: dict[str, Any], *, source: str) -> tuple[tuple[MarkerSpec, ...],
-                                                          tuple[tuple[str, int], ...]]:
-    check_keys(data, optional=("required", "forbidden", "counts"))
+                                                          tuple[tuple[str, int], ...],
+                                                          tuple[tuple[str, str], ...]]:
+    """(the recipe's own markers, expected counts by id, waivers of series markers by id).
+
+    A waiver needs a reason: it is printed at every launch and in `recipe show`, so dropping a
+    series marker is always visible (e.g. a backend choice that never reaches the patched path).
+    """
+    check_keys(data, optional=("required", "forbidden", "counts", "waive"))
     specs: list[MarkerSpec] = []
     for kind in ("required", "forbidden"):
         with at_key(kind):
@@ -197,7 +203,12 @@ def markers(data: dict[str, Any], *, source: str) -> tuple[tuple[MarkerSpec, ...
         for marker_id, value in expect_mapping(data.get("counts", {})).items():
             with at_key(marker_id):
                 counts.append((marker_id, expect_int(value, minimum=1)))
-    return tuple(specs), tuple(counts)
+    waivers = []
+    with at_key("waive"):
+        for marker_id, reason in expect_mapping(data.get("waive", {})).items():
+            with at_key(marker_id):
+                waivers.append((marker_id, expect_str(reason)))
+    return tuple(specs), tuple(counts), tuple(waivers)
 
 
 def deadlines(data: dict[str, Any]) -> Deadlines:

@@ -29,6 +29,7 @@ from types import TracebackType
 from m3patch.errors import RunDeadline
 from m3patch.launch_plan import LaunchPlan, plan_launch, prepare_tree
 from m3patch.markers import MarkerChecker
+from m3patch.output import warn
 from m3patch.recipe import Recipe
 from m3patch.supervisor import Supervisor
 
@@ -69,6 +70,8 @@ class ServeSession:
         self._started = time.monotonic()
         ledger = prepare_tree(self.recipe, self.python)
         self.plan = plan_launch(self.recipe, self.python, self.port, self.log_path, ledger)
+        for marker_id, reason in self.recipe.marker_waivers:
+            warn(f"recipe {self.recipe.path} waives series marker {marker_id!r}: {reason}")
         checker = MarkerChecker(self.plan.markers, log_name=str(self.log_path))
         self.supervisor = Supervisor(self.plan.spec, checker, echo=self.echo)
         try:

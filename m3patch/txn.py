@@ -277,6 +277,9 @@ def _completable(root: Path, entry: Entry) -> bool:
 
 def recover(root: Path) -> str | None:
     """Finish or undo a transaction a killed run left behind; call it holding the lock."""
+    for leftover in state_dir(root).glob(".*.tmp*"):  # atomic_write temps of a killed run
+        if leftover.name.rpartition(".tmp")[2].isdigit():
+            leftover.unlink()
     path = journal_path(root)
     try:
         body = json.loads(path.read_bytes())

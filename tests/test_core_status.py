@@ -53,7 +53,7 @@ def test_drifted_file_exits_5(vllm_tree: Path, test_series: Path,
                               m3patch_cli: CliRunner) -> None:
     version = vllm_tree / "vllm/version.py"
     replace_file(version, version.read_bytes() + b"# edited by hand\n")
-    code, out, err = status(m3patch_cli, vllm_tree, test_series)
+    code, _, err = status(m3patch_cli, vllm_tree, test_series)
     assert code == errors.PatchConflict.exit_code, err
     assert "vllm/version.py" in err and "Traceback" not in err
 

@@ -39,10 +39,6 @@ def test_verified_state_tells_the_three_cases_apart(vllm_tree: Path) -> None:
     assert soak.verified_state(vllm_tree) is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: txn.atomic_write stages vllm/.m3patch/.journal.json.tmp<PID>; a SIGKILL between its "
-    "write and its rename leaves that file, and neither txn.recover nor any later run removes "
-    "it (found by scripts/crash_soak.py: 65 of 120 runs after the first such kill)"))
 def test_a_temp_file_left_by_a_kill_in_atomic_write_is_cleaned(vllm_tree: Path,
                                                                 test_series: Path) -> None:
     from m3patch.apply_api import apply_series

@@ -54,6 +54,9 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
             for m in plan.markers]
     table("markers (required by readiness; forbidden at any time)",
           ["id", "kind", "text", "count", "declared by"], rows)
+    if recipe.marker_waivers:
+        table("series markers waived by this recipe", ["id", "reason"],
+              [list(w) for w in recipe.marker_waivers])
     sweep = [[r.isl, r.osl, ",".join(map(str, r.concurrencies))] for r in recipe.sweep.rows]
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",

@@ -1,0 +1,76 @@
+"""Series markers reach every recipe; counts by id; waivers are explicit, reasoned and limited."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m3patch.errors import UsageError
+from m3patch.launch_plan import all_markers
+from m3patch.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gpu_variant(tmp_path: Path, name: str, markers: dict[str, object]) -> Path:
+    data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.33.0")
+    data["markers"] = markers
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def by_id(recipe_path: Path) -> dict[str, list[object]]:
+    out: dict[str, list[object]] = {}
+    for spec in all_markers(load_recipe(recipe_path), None):
+        out.setdefault(spec.id, []).append(spec)
+    return out
+
+
+@pytest.mark.parametrize(("name", "count"), [("mi300x_tp8", 57), ("mi300x_tp8_mtp", 58),
+                                             ("mi300x_tp8_eagle3", 57), ("mi300x_tp8_ep8", 57)])
+def test_gfx942_recipes_require_one_conversion_line_per_moe_layer(name: str, count: int) -> None:
+    markers = by_id(REPO / "recipes" / f"{name}.yaml")
+    (layer,) = markers["block-fp8-layer"]
+    assert layer.kind == "required" and layer.count == count  # type: ignore[attr-defined]
+    for forbidden in ("mxfp8-emulation-backend", "mxfp8-emulation-experts", "mxfp8-bf16-dequant"):
+        assert markers[forbidden][0].kind == "forbidden"  # type: ignore[attr-defined]
+    assert "provenance" in markers
+
+
+def test_native_gfx950_recipe_requires_the_packed_path_and_aiter_waives_it() -> None:
+    native = by_id(REPO / "recipes" / "mi355x_tp4_native.yaml")
+    assert native["packed-e8m0"][0].kind == "required"  # type: ignore[attr-defined]
+    aiter = by_id(REPO / "recipes" / "mi355x_tp4.yaml")
+    assert "packed-e8m0" not in aiter and "unpacked-e8m0" in aiter
+    assert "aiter-mxfp8-backend" in aiter
+
+
+def test_a_waiver_must_name_a_series_marker(tmp_path: Path) -> None:
+    path = gpu_variant(tmp_path, "mi300x_tp8", {"waive": {"block-fp8-layr": "typo"}})
+    with pytest.raises(UsageError, match="Perhaps you meant 'block-fp8-layer'"):
+        all_markers(load_recipe(path), None)
+
+
+def test_provenance_can_never_be_waived(tmp_path: Path) -> None:
+    path = gpu_variant(tmp_path, "mi300x_tp8", {"waive": {"provenance": "not today"}})
+    with pytest.raises(UsageError, match="proves the server runs the patched tree"):
+        all_markers(load_recipe(path), None)
+
+
+def test_a_waiver_needs_a_reason(tmp_path: Path) -> None:
+    from m3patch.schema import SchemaError
+
+    path = gpu_variant(tmp_path, "mi300x_tp8", {"waive": {"block-fp8-layer": ""}})
+    with pytest.raises(SchemaError, match="non-empty string"):
+        load_recipe(path)
+
+
+def test_a_recipe_marker_cannot_hide_a_series_one(tmp_path: Path) -> None:
+    # Re-declaring an id adds a second spec; the series one still has to hold.
+    extra = {"required": [{"id": "block-fp8-layer", "text": "something else"}]}
+    markers = by_id(gpu_variant(tmp_path, "mi300x_tp8", extra))
+    assert len(markers["block-fp8-layer"]) == 2
