@@ -55,6 +55,28 @@ def timed(cmd: list[str], env: dict[str, str], runs: int) -> list[float]:
     return out
 
 
+def import_costs(cmd: list[str], env: dict[str, str], top: int = 12) -> list[dict[str, object]]:
+    """The largest cumulative import times (us) of one run, from `python -X importtime`."""
+    proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], capture_output=True, text=True,
+                          env=env, cwd=REPO, check=False)
+    rows = []
+    for line in proc.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append({"module": parts[2].rstrip(), "self_us": int(parts[0]),
+                         "cumulative_us": int(parts[1])})
+    return sorted(rows, key=lambda r: -int(str(r["cumulative_us"])))[:top]
+
+
+def profile_top(cmd: list[str], env: dict[str, str], top: int = 12) -> list[str]:
+    """cProfile's top functions by cumulative time of one run (its own text lines)."""
+    proc = subprocess.run([cmd[0], "-m", "cProfile", "-s", "tottime", *cmd[1:]],
+                          capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    lines = proc.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("ncalls")), None)
+    return [] if start is None else [line.strip() for line in lines[start:start + top + 1]]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
@@ -71,6 +93,9 @@ def main() -> int:
         env_cached["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         timed(apply_cmd, env_as_is, 1)  # patch the tree; the timed runs are all "already applied"
         timed(apply_cmd, env_cached, 1)  # warm the bytecode cache
+        load_before = os.getloadavg()
+        imports = import_costs(apply_cmd, env_as_is)
+        profile = profile_top(apply_cmd, env_as_is)
         rows = []
         for label, env in (("as-is", env_as_is), ("bytecode-cached", env_cached)):
             for name, cmd, target in (("apply --verify (patched tree)", apply_cmd, 0.5),
@@ -87,9 +112,14 @@ def main() -> int:
         print(f"{r['command']:32} {r['env']:16} {r['median_s']:9.3f} {r['min_s']:7.3f} "
               f"{r['max_s']:7.3f} {r['target_s']:7.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    for row in imports[:8]:
+        print(f"import {str(row['module']).strip():40} {row['cumulative_us']!s:>8} us cumulative")
     report = {"series": series_label, "python": sys.version.split()[0],
-              "machine": platform.platform(), "cpus": os.cpu_count(),
-              "load_avg": os.getloadavg(), "rows": rows,
+              "command": "python scripts/bench_core.py " + " ".join(sys.argv[1:]),
+              "machine": f"{platform.platform()} ({os.cpu_count()}-core CI machine, shared with "
+                         "other jobs: see load_avg)", "cpus": os.cpu_count(),
+              "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
+              "importtime_top": imports, "cprofile_top_tottime": profile,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

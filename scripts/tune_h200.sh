@@ -4,8 +4,9 @@
 # the same call. From the repo root on the device, OUT set:
 #   bash scripts/tune_h200.sh [TUNE_BUDGET_S] [CARRY]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py and, to
-# resume an earlier run, its tune-cache.jsonl. Everything comes back as <= 8 plain-named files
-# (the tables are packed in tables.tar: their names hold '=' and '[').
+# resume an earlier run, its tune-cache.jsonl. RUN_GPU_TESTS=1 adds tests/test_tune_gpu.py at
+# the end. Everything comes back as <= 8 plain-named files (the tables are packed in
+# tables.tar: their names hold '=' and '[').
 set -euo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/tune-out}
@@ -24,6 +25,12 @@ python3 -m m3patch tune --shape 16,3072,6144,4,ep --shape 128,384,6144,4 \
 echo "tune: ${SECONDS} s" | tee -a "$OUT/tune.log"
 tar -C /tmp -cf "$OUT/tables.tar" tables
 SECONDS=0
+mkdir -p /tmp/bench  # its per-config BF16 cache stays there: the call returns 8 files at most
 python3 scripts/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" \
-  --out "$OUT/bench.json" 2> "$OUT/bench.log" | tee "$OUT/bench.txt"
+  --out /tmp/bench/bench.json 2> "$OUT/bench.log" | tee "$OUT/bench.txt"
+cp /tmp/bench/bench.json "$OUT/bench.json"
 echo "bench: ${SECONDS} s" | tee -a "$OUT/bench.log"
+if [[ ${RUN_GPU_TESTS:-0} == 1 ]]; then
+  M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q tests/test_tune_gpu.py \
+    > "$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log"
+fi

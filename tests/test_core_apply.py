@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from core_helpers import CliRunner, replace_file
+from core_helpers import REPO, CliRunner, replace_file
 
 from m3patch import errors
 from m3patch.apply_api import apply_series, revert_series, tree_status, verify_tree
@@ -177,3 +179,25 @@ def test_offset_mode_refuses_context_found_twice(vllm_tree: Path, test_series: P
     replace_file(logger, logger.read_bytes() + b"\n" + block.encode())
     with pytest.raises(errors.PatchConflict, match="matches in 2 places"):
         apply_series(tree_at(vllm_tree), load_series(test_series), mode="offset")
+
+
+def test_already_applied_is_decided_without_parsing_a_patch(
+        vllm_tree: Path, test_series: Path) -> None:
+    """The fast path (hashes vs the lock, then the ledger) never imports unidiff or the engine;
+    a tree that is not exactly applied still takes the full, locked path."""
+    apply_series(tree_at(vllm_tree), load_series(test_series))
+    probe = ("import sys; from m3patch.main import main; "
+             f"rc = main(['apply', '--verify', '--vllm-root', {str(vllm_tree)!r}, "
+             f"'--series', {str(test_series)!r}]); "
+             "print(sorted(m for m in ('unidiff', 'm3patch.engine', 'm3patch.txn') "
+             "if m in sys.modules)); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+    ledger_path(vllm_tree).unlink()  # files applied, ledger gone: the locked path rewrites it
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "ledger was missing or stale: rewritten" in proc.stderr
+    assert "'unidiff'" in proc.stdout.strip().splitlines()[-1]

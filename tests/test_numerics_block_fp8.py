@@ -85,6 +85,25 @@ def test_conversion_within_derived_bound(blk: ModuleType, lo: int, hi: int, fnuz
     assert blk.self_check(ref, wq[0], sq[0], "t") <= blk.SELF_CHECK_BOUND
 
 
+def zero_group_under_huge_scale() -> tuple[Tensor, Tensor]:
+    """A block whose amax is tiny (S clamps to 2^-126) next to an all-zero group with E8M0 254:
+    2^127 * (1/S) overflows fp32, and 0 * inf must not become a NaN byte."""
+    raw = torch.zeros((1, 128, 128), dtype=torch.uint8)
+    raw[0, :, 32:64] = 0x38  # 1.0 times 2^-127
+    raw[0, 5, 40] = 0xB0  # -0.5
+    scales = torch.zeros((1, 128, 4), dtype=torch.uint8)
+    scales[0, :, 0] = 254
+    return raw.view(torch.float8_e4m3fn), scales
+
+
+def test_zero_group_under_huge_scale_stays_zero(blk: ModuleType) -> None:
+    w, s = zero_group_under_huge_scale()
+    wq, sq = blk.convert_mxfp8_to_block_fp8(w, s, fnuz=False)
+    assert float(sq) == blk.MIN_SCALE
+    assert int(wq.view(torch.uint8)[0, :, :32].count_nonzero()) == 0
+    assert_within_bound(blk, w, s, wq, sq, fnuz=False)
+
+
 def all_bytes_block(scale_byte: int) -> tuple[Tensor, Tensor]:
     """One 128x128 block holding every e4m3fn byte 64 times (NaN bytes 0x7F/0xFF -> 0x00)."""
     raw = torch.arange(256, dtype=torch.int32).repeat(64).to(torch.uint8).view(1, 128, 128)
@@ -203,10 +222,11 @@ def test_gate_refuses(blk: ModuleType, env: str, backend: str, match: str) -> No
 INTERPRETER_CHECK = """
 import importlib.util, sys, torch
 sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
-from tests.test_numerics_block_fp8 import all_bytes_block, load, mxfp8
+from tests.test_numerics_block_fp8 import all_bytes_block, load, mxfp8, zero_group_under_huge_scale
 mod = load(__import__("pathlib").Path(sys.argv[1]))
 w, s = mxfp8((2, 256, 256), 100, 140, seed=5)
 ab, ab_s = all_bytes_block(126)
+zg, zg_s = zero_group_under_huge_scale()
 def same(wt, st, fnuz, **kw):
     tq, ts = mod.convert_mxfp8_to_block_fp8(wt, st, fnuz=fnuz, impl="triton", **kw)
     rq, rs = mod.convert_mxfp8_to_block_fp8(wt, st, fnuz=fnuz, impl="torch")
@@ -220,6 +240,9 @@ for fnuz in (False, True):
     # that needs no rounding (S = 2^-1, every e4m3 value exact) is compared here; the H200
     # run compares random data (docs/results/block-fp8-convert)
     same(ab, ab_s, fnuz, codec="fn")
+    for codec in ("bits", "fn"):  # every value exact here too
+        same(zg, zg_s, fnuz, codec=codec)
+        same(zg, zg_s, fnuz, codec=codec, tile_rows=64)
 bad = ab.view(torch.uint8).clone()
 bad[0, 3, 3] = 0x7F
 before = bad.clone()
@@ -255,7 +278,8 @@ def fp32_near_every_e4m3_value_and_tie() -> Tensor:
     nudged = (base[:, None] + torch.arange(-2, 3, dtype=torch.int32)).flatten().view(torch.float32)
     rand = torch.empty(2**20).uniform_(-448, 448, generator=torch.Generator().manual_seed(7))
     y = torch.cat([nudged, rand, rand * 2.0**-12])
-    return y[torch.isfinite(y) & (y.abs() <= 448)]
+    finite: Tensor = y[torch.isfinite(y) & (y.abs() <= 448)]
+    return finite
 
 
 def test_fnuz_of_half_equals_fn_bytes_with_canonical_zero() -> None:

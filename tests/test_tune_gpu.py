@@ -18,6 +18,10 @@ CARRIED = Path(".devcarry")
 
 
 def _source() -> Path:
+    """The vLLM tree to cut the kernel from: M3PATCH_TUNE_VLLM_SOURCE (scripts/tune_h200.sh
+    sets it to the carried folder), .devcarry/, else the cached pristine tree."""
+    if os.environ.get("M3PATCH_TUNE_VLLM_SOURCE"):
+        return Path(os.environ["M3PATCH_TUNE_VLLM_SOURCE"])
     if (CARRIED / "vllm").is_dir():
         return CARRIED
     return cache_root() / "tree-vllm-0.33.0"
@@ -75,3 +79,18 @@ def test_oversized_config_is_reported_not_crashing() -> None:
     huge = TileConfig(256, 256, 128, 1, 4, 8)  # far over 227 KiB of shared memory
     with pytest.raises(ConfigFailed):
         bench.check(bench.setup(64), huge)
+
+
+def test_timing_a_resumed_config_checks_it_outside_graph_capture() -> None:
+    """Regression (issue 7 re-tune): refining a config whose quick result came from the cache
+    aligned its BLOCK_SIZE_M inside CUDA-graph capture and crashed."""
+    from m3patch.tune.kernel_source import load_kernel
+    from m3patch.tune.runner import MoEBench
+
+    shape = MoEShape(16, 256, 512, 4, "fp8_w8a8", (128, 128), True)
+    bench = MoEBench(load_kernel(_source()).kernel, shape)
+    setup = bench.setup(40)
+    cfg = TileConfig(64, 64, 128, 32, 4, 3)  # never checked nor aligned on this setup
+    assert 64 not in setup.aligned
+    assert bench.time(setup, cfg, 3) > 0
+    assert cfg in setup.checked

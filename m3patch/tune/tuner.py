@@ -144,10 +144,18 @@ def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: Re
         return None
     refined: list[tuple[float, TileConfig]] = []
     for cfg in refine_candidates(quick.timed, opts.refine_top, default):
-        us = _refine(bench, batch, cfg, cache, opts)
+        try:
+            us = _refine(bench, batch, cfg, cache, opts)
+        except ConfigFailed as exc:  # a resumed quick result that fails its check here
+            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            progress.log(f"{shape.key} M={batch}: {exc}")
+            continue
         if us is None:
             return None
         refined.append((us, cfg))
+    if not refined:
+        progress.log(f"{shape.key} M={batch}: every refine candidate failed")
+        return None
     best_us, best = min(refined)
     default_us = next((us for us, cfg in refined if cfg == default), None)
     progress.log(f"{shape.key} M={batch}: best {best.key} {best_us:.1f} us "
