@@ -23,7 +23,9 @@ def console() -> Console:
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    # Logs and pipes get rich's 80-column default, which truncates table cells; CI logs are wide.
+    width = None if sys.stdout.isatty() else 160
+    return Console(highlight=False, soft_wrap=True, width=width)
 
 
 def info(message: str) -> None:

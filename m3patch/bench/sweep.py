@@ -83,8 +83,26 @@ def run_sweep(
             advance(cell.cell_id)
     # Only this plan's cells: a resumed folder may hold cells of an earlier, wider plan.
     rows = write_aggregate(settings.run_dir, meta, [cell.cell_id for cell in cells])
+    print_results(rows, f"{meta.get('recipe_name', 'sweep')}: per-GPU results")
     info(f"{len(measured)} cell(s) measured, {len(skipped)} kept; results in {settings.run_dir}")
     return SweepOutcome(tuple(measured), tuple(skipped), tuple(rows))
+
+
+def _ms(seconds: object) -> str:
+    return f"{seconds * 1000:.1f}" if isinstance(seconds, (int, float)) else "-"
+
+
+def print_results(rows: Sequence[dict[str, Any]], title: str) -> None:
+    """The table users read first: InferenceX's per-GPU throughput and latency per cell."""
+    from m3patch.output import table
+
+    table(title, ["parallelism", "isl/osl", "conc", "tok/s/GPU", "out tok/s/GPU",
+                  "TTFT p50 ms", "TPOT p50 ms", "tok/s/user", "ok/failed"],
+          [[r["parallelism"], f"{r['isl']}/{r['osl']}", r["concurrency"],
+            f"{r['tput_per_gpu']:.1f}", f"{r['output_tput_per_gpu']:.1f}",
+            _ms(r.get("median_ttft")), _ms(r.get("median_tpot")),
+            f"{r['median_intvty']:.1f}" if r.get("median_intvty") else "-",
+            f"{r['completed']}/{r['failed']}"] for r in rows])
 
 
 def _measure(
