@@ -80,4 +80,6 @@ def test_cli_names_the_recipe_of_a_bad_sweep(
     bad.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
     assert main(["matrix", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert f"{bad}: sweep: random range ratio 1.0 is outside [0, 1)" in err
+    # The recipe loader refuses it first, with the breadcrumb to the key.
+    assert f"File {bad}" in err and "At key: range-ratio" in err
+    assert "range-ratio must be in [0, 1), got 1.0" in err
