@@ -13,7 +13,6 @@ from m3patch.errors import ResultsInvalid, UsageError
 from m3patch.pristine import pristine_tree
 from m3patch.tune import kernel_source, naming
 from m3patch.tune.cache import Result, ResultCache
-from m3patch.tune.selection import launches_needed, refine_candidates
 from m3patch.tune.shapes import (
     DEFAULT_BATCH_SIZES,
     MoEShape,
@@ -22,7 +21,7 @@ from m3patch.tune.shapes import (
     parse_explicit_shape,
     shapes_from_model_config,
 )
-from m3patch.tune.tile import TileConfig
+from m3patch.tune.tile import TileConfig, launches_needed, refine_candidates
 from m3patch.tune.writer import (
     ROUTING_DENSE,
     ROUTING_EP,
@@ -229,3 +228,34 @@ def test_a_resumed_run_precompiles_only_what_it_will_launch(tmp_path: Path) -> N
     plan = {64: [a, b, c, d, new]}
     assert launches_needed(cache, EP8.key, plan, 1, {64: c}) == {64: [new, b, c]}
     assert launches_needed(cache, EP8.key, plan, 2, {64: new}) == {64: [new, b, a]}
+
+
+def test_shipped_h200_tables_match_the_results_and_document_routing() -> None:
+    """The series ships docs/results/tune-h200/tables byte for byte; each table loads the way
+    vLLM loads it, covers the tuned batch sizes, and its sidecar states the routing convention
+    and, per batch, which of tuned and vLLM default was kept and why."""
+    from m3patch.diffs import parse_patch
+
+    repo = Path(__file__).resolve().parents[1]
+    results = repo / "docs/results/tune-h200/tables"
+    patch = repo / "patches/vllm-0.33.0/0005-tuned-tables-h200.patch"
+    shipped = {Path(fp.path).name for fp in parse_patch(patch.read_bytes(), patch.name).files}
+    assert shipped == {p.name for p in results.iterdir()}
+    text = patch.read_text(encoding="utf-8")
+    for path in results.iterdir():
+        body = "".join("+" + line for line in path.read_text(encoding="utf-8").splitlines(True))
+        assert body in text, path.name
+    for shape in (EP8, TP8):
+        table = results / naming.table_file_name(shape, "NVIDIA H200")
+        assert sorted(read_table(table)) == list(DEFAULT_BATCH_SIZES)
+        prov = json.loads(table.with_name(table.name + ".provenance.json").read_text())
+        assert prov["shape"] == shape.key
+        assert prov["routing"] == (ROUTING_EP if shape.expert_parallel else ROUTING_DENSE)
+        kept = prov["selection"]["per_batch"]
+        for batch, entry in read_table(table).items():
+            choice = kept[str(batch)]
+            faster = min(choice["tuned_us"], choice["default_us"])
+            chosen = choice["tuned_us"] if choice["kept"] == "tuned" else choice["default_us"]
+            assert chosen == faster, batch
+            if choice["kept"] == "vllm-default":
+                assert entry == naming.default_config(shape, batch)

@@ -1,7 +1,7 @@
 """Tuning vLLM's fused-MoE Triton kernel (`m3patch tune`).
 
-Pure modules (shapes, space, naming, writer) import only the standard library; kernel_source
-and runner import torch/triton lazily and are the only ones that touch a GPU. The device path
+Pure modules (shapes, tile, space, naming, cache, writer, recipe_shapes) need no torch;
+kernel_source and runner import torch/triton lazily and are the only ones that touch a GPU. The device path
 (`python3 -m m3patch tune ...` on a machine with torch+triton but no vLLM) needs nothing else.
 """
 

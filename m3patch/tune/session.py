@@ -23,9 +23,9 @@ from m3patch.tune.cache import ResultCache
 from m3patch.tune.kernel_source import KernelSource, load_kernel
 from m3patch.tune.naming import default_config, table_file_name
 from m3patch.tune.runner import MoEBench
-from m3patch.tune.selection import launches_needed
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
+from m3patch.tune.tile import launches_needed
 from m3patch.tune.tuner import BatchBest, Progress, TuneOptions, tune_shape
 from m3patch.tune.writer import Provenance, SearchRecord, write_table
 

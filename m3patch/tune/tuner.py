@@ -16,9 +16,9 @@ from typing import Any
 from m3patch.tune.cache import Result, ResultCache
 from m3patch.tune.naming import default_config
 from m3patch.tune.runner import ConfigFailed, MoEBench
-from m3patch.tune.selection import refine_candidates
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig
+from m3patch.tune.tile import refine_candidates
 
 
 @dataclass(frozen=True)
