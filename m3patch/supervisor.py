@@ -29,6 +29,7 @@ from typing import BinaryIO
 
 from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
+from m3patch.procs import group_members
 
 POLL_S = 0.5
 TAIL_LINES = 15
@@ -45,23 +46,6 @@ class LaunchSpec:
     ready_deadline_s: float
     request_deadline_s: float
     fix_hint: str  # the command that re-runs this launch, for error messages
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) pids whose process group is `pgid`, from /proc (no psutil)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the ")" that closes the command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
 
 
 class Supervisor:

@@ -16,24 +16,9 @@ import pytest
 
 from m3patch.bench.client import log_tail, run_client
 from m3patch.errors import BenchFailed, ServerDied
+from m3patch.procs import children_of
 
 SLEEPER = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
-
-
-def _no_children_left() -> bool:
-    """No process whose parent is this test process is still running (zombies reaped)."""
-    me = str(os.getpid())
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == me and fields[0] != "Z":
-            return False
-    return True
 
 
 def test_a_cell_past_its_deadline_fails_and_its_client_is_stopped(tmp_path: Path) -> None:
@@ -42,7 +27,7 @@ def test_a_cell_past_its_deadline_fails_and_its_client_is_stopped(tmp_path: Path
         run_client(SLEEPER, cell_id="c1", log_path=tmp_path / "c1.log", deadline_s=1.0,
                    check_server=lambda: None)
     assert time.monotonic() - started < 10
-    assert _no_children_left()
+    assert children_of(os.getpid()) == []
     assert BenchFailed.exit_code == 14
 
 
@@ -57,7 +42,7 @@ def test_a_dead_server_stops_the_client_and_its_error_propagates(tmp_path: Path)
     with pytest.raises(ServerDied, match="stopped during the sweep"):
         run_client(SLEEPER, cell_id="c1", log_path=tmp_path / "c1.log", deadline_s=60,
                    check_server=server_dies_on_second_check)
-    assert _no_children_left()
+    assert children_of(os.getpid()) == []
     assert "started" in (tmp_path / "c1.log").read_text()
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from m3patch.procs import children_of
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_RECIPE = REPO / "recipes" / "cpu_tiny_moe.yaml"
 SERIES = REPO / "patches" / "vllm-0.32.0"
@@ -37,20 +39,6 @@ def _free_port() -> int:
 def _m3patch(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "m3patch", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=timeout, check=False)
-
-
-def _children_of_me() -> list[str]:
-    me, out = str(os.getpid()), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[1] == me and fields[0] != "Z":
-                out.append(entry.name)
-    return out
 
 
 def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None = None) -> Path:
@@ -90,7 +78,7 @@ def test_each_run_has_cells_aggregate_csv_plots_and_log(runs: Path) -> None:
         for png in ("throughput_per_gpu.png", "interactivity_vs_throughput.png"):
             assert (run / "plots" / png).read_bytes()[:4] == b"\x89PNG"
         assert "Using CPUUnquantizedExperts MoE backend" in (run / "server.log").read_text()
-    assert _children_of_me() == []
+    assert children_of(os.getpid()) == []
 
 
 def test_provenance_names_recipe_series_patches_and_ledger(runs: Path, cpu_venv: Path) -> None:
@@ -148,4 +136,4 @@ def test_a_cell_with_failed_requests_fails_the_sweep_with_14(
     kept = sorted(p.name for p in (tmp_path / "run" / "cells").glob("*.json"))
     assert kept == ["isl32-osl16-tp1-pp1-ep1-dp1-c1.json"]  # the good cell stays for --resume
     assert not (tmp_path / "run" / "aggregate.json").exists()
-    assert _children_of_me() == []
+    assert children_of(os.getpid()) == []

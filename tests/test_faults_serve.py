@@ -22,7 +22,8 @@ import yaml
 
 from m3patch import errors
 from m3patch.markers import MarkerChecker, MarkerSpec
-from m3patch.supervisor import STOP_GRACE_S, LaunchSpec, Supervisor, group_members
+from m3patch.procs import children_of, group_members
+from m3patch.supervisor import STOP_GRACE_S, LaunchSpec, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = MarkerSpec("cpu-moe", "required", "Using CPUUnquantizedExperts MoE backend", "test", 1)
@@ -112,19 +113,6 @@ def test_endless_flood_never_ready_ends_at_the_ready_deadline(tmp_path: Path) ->
 # ---------------------------------------------------------------- the real server
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def _completion_answers(port: int) -> bool:
     import json
     import urllib.request
@@ -161,7 +149,7 @@ def test_real_server_hung_then_killed(cpu_venv: Path, tiny_model: Path, tmp_path
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.5)
         assert proc.poll() is None, err.read_text()
-        (pgid,) = _children(proc.pid)
+        (pgid,) = children_of(proc.pid)
         assert _completion_answers(port)
         os.killpg(pgid, signal.SIGSTOP)  # hung: every process alive, none answering
         assert not _completion_answers(port)

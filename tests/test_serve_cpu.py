@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m3patch.supervisor import group_members
+from m3patch.procs import children_of, group_members
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_RECIPE = REPO / "recipes" / "cpu_tiny_moe.yaml"
@@ -59,19 +59,6 @@ def write_variant(path: Path, venv: Path, model: Path,
         change(data)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def serve(recipe: Path, run_dir: Path, *extra: str,
