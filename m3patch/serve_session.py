@@ -22,17 +22,20 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from m3patch.errors import RunDeadline
+from m3patch.errors import RunDeadline, ServerDied
 from m3patch.launch_plan import LaunchPlan, plan_launch, prepare_tree
 from m3patch.markers import MarkerChecker
 from m3patch.output import warn
 from m3patch.recipe import Recipe
 from m3patch.supervisor import Supervisor
 
+HEALTH_PROBE_TIMEOUT_S = 5.0
 READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the ready reply
 
 
@@ -49,6 +52,7 @@ class ServeSession:
         self.ready_s: float | None = None
         self.exit_status: int | None = None
         self._started = 0.0
+        self._last_answer: float | None = None
 
     @property
     def base_url(self) -> str:
@@ -79,6 +83,7 @@ class ServeSession:
             self.ready_s = self.supervisor.wait_ready()
             time.sleep(READY_SETTLE_S)
             self.supervisor.gate_markers(hint=self.plan.marker_hint)
+            self._last_answer = time.monotonic()  # readiness included a real completion
         except BaseException:
             self.stop()
             raise
@@ -96,6 +101,27 @@ class ServeSession:
             msg = (f"run of recipe {self.recipe.path} passed its deadline "
                    f"({elapsed:.0f} s > deadlines.run-s {self.recipe.deadlines.run_s:.0f})")
             raise RunDeadline(msg, hint="raise deadlines.run-s or shorten the sweep")
+
+    def check_answering(self) -> None:
+        """While holding a server: it must keep answering /health, not just stay alive.
+
+        A hung engine (alive, never answering) is only caught this way. One probe may fail
+        under load; the server is declared dead when nothing answered for a whole
+        `deadlines.request-s`.
+        """
+        now = time.monotonic()
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health",
+                                        timeout=HEALTH_PROBE_TIMEOUT_S) as reply:
+                if reply.status == 200:
+                    self._last_answer = now
+        except (urllib.error.URLError, OSError):
+            pass
+        silent = now - (self._last_answer or now)
+        if silent > self.recipe.deadlines.request_s:
+            msg = (f"vllm serve is alive but has not answered {self.base_url}/health for "
+                   f"{silent:.0f} s (deadlines.request-s {self.recipe.deadlines.request_s:.0f})")
+            raise ServerDied(msg, hint=f"see {self.log_path}; then: m3patch serve {self.recipe.path}")
 
     def stop(self) -> None:
         if self.supervisor is None or self.supervisor.proc is None:

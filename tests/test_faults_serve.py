@@ -127,15 +127,16 @@ def _completion_answers(port: int) -> bool:
         return False
 
 
-@pytest.mark.serve
-def test_real_server_hung_then_killed(cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
-    """SIGSTOP the real server's group (alive, silent), then SIGKILL its leader: `m3patch serve`
-    must exit 18 (ServerDied) and the stopped EngineCore must not survive."""
+def _serve_and_hold(cpu_venv: Path, tiny_model: Path, tmp_path: Path,
+                    request_s: float | None = None) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """`m3patch serve --hold` on the real CPU server, returned once it says it is ready."""
     data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
     data["target"]["python"] = str(cpu_venv / "bin" / "python")
     data["model"]["source"] = str(tiny_model)
     data["series"] = str(REPO / "patches" / "vllm-0.32.0")
     port = data["server"]["port"] = free_port()
+    if request_s is not None:
+        data["deadlines"]["request-s"] = request_s
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     err = tmp_path / "stderr.txt"
@@ -143,20 +144,36 @@ def test_real_server_hung_then_killed(cpu_venv: Path, tiny_model: Path, tmp_path
         proc = subprocess.Popen([sys.executable, "-m", "m3patch", "serve", str(recipe),
                                  "--run-dir", str(tmp_path / "run"), "--hold", "900", "--quiet"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+    deadline = time.monotonic() + 400
+    while "ready in" not in err.read_text() and proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(err.read_text())
+        time.sleep(0.5)
+    assert proc.poll() is None, err.read_text()
+    return proc, err, port
+
+
+def _cleanup(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    for pid in group_members(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.serve
+def test_real_server_hung_then_killed(cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """SIGSTOP the real server's group (alive, silent), then SIGKILL its leader before the
+    /health probe gives up: `m3patch serve` must exit 18 (ServerDied, "died") and the stopped
+    EngineCore must not survive."""
+    proc, err, port = _serve_and_hold(cpu_venv, tiny_model, tmp_path)  # request-s 60
     try:
-        deadline = time.monotonic() + 400
-        while "ready in" not in err.read_text() and proc.poll() is None:
-            assert time.monotonic() < deadline, err.read_text()
-            time.sleep(0.5)
-        assert proc.poll() is None, err.read_text()
         (pgid,) = children_of(proc.pid)
         assert _completion_answers(port)
         os.killpg(pgid, signal.SIGSTOP)  # hung: every process alive, none answering
         assert not _completion_answers(port)
         time.sleep(3)
-        # serve --hold watches exit status and markers only: a hung server is caught by the
-        # bench cell deadline or deadlines.run-s, not here (see docs/reliability.md)
-        assert proc.poll() is None
+        assert proc.poll() is None  # silent for 3 s < request-s: not yet judged
         killed = time.monotonic()
         os.kill(pgid, signal.SIGKILL)  # the API server dies mid-run; its children are stopped
         code = proc.wait(timeout=STOP_GRACE_S[0] + STOP_GRACE_S[1] + STOP_GRACE_S[2] + 30)
@@ -166,7 +183,25 @@ def test_real_server_hung_then_killed(cpu_venv: Path, tiny_model: Path, tmp_path
         assert took < sum(STOP_GRACE_S) + 10, took
         assert "died after it was ready" in err.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in group_members(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        _cleanup(proc)
+
+
+@pytest.mark.serve
+def test_real_server_hung_is_caught_by_the_health_probe(
+    cpu_venv: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A hung server never exits: `serve --hold` must notice that /health stopped answering for
+    longer than deadlines.request-s, exit 18 and leave no (stopped) process behind."""
+    proc, err, _ = _serve_and_hold(cpu_venv, tiny_model, tmp_path, request_s=6)
+    try:
+        (pgid,) = children_of(proc.pid)
+        hung = time.monotonic()
+        os.killpg(pgid, signal.SIGSTOP)
+        # request-s 6 + one probe period (10 s) + the probe's own 5 s timeout + the stop escalation
+        code = proc.wait(timeout=6 + 10 + 5 + sum(STOP_GRACE_S) + 15)
+        assert code == errors.ServerDied.exit_code, err.read_text()[-2000:]
+        assert "has not answered" in err.read_text()
+        assert time.monotonic() - hung < 6 + 10 + 5 + sum(STOP_GRACE_S) + 5
+        assert group_members(pgid) == [], "stopped server processes outlived m3patch"
+    finally:
+        _cleanup(proc)

@@ -15,6 +15,7 @@ from types import FrameType
 
 from m3patch.errors import Interrupted
 
+HEALTH_PROBE_EVERY_S = 10.0  # a hung engine stays alive; only /health shows it
 WATCH_S = 1.0
 
 
@@ -70,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
 
             return bench_in_session(recipe, session, run_dir)
         end = None if args.hold is None else time.monotonic() + args.hold
+        next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
         while end is None or time.monotonic() < end:
             session.check_alive()
+            if time.monotonic() >= next_probe:
+                session.check_answering()
+                next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
             time.sleep(WATCH_S)
     info(f"stopped; log {session.log_path}")
     return 0
