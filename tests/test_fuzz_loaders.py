@@ -18,23 +18,10 @@ from scripts import fuzz_loaders as fz
 FUZZ_INPUTS = 120
 AGGREGATE_BUG = ("bug: bench/aggregate.py _check_row accepted a non-scalar dp_attention; "
                  "`bench compare` then dies with TypeError unhashable (exit 70, not 17)")
-# Found by this fuzz and fixed by their owners (regression tests below); a loader listed in
-# KNOWN_BUGS runs as xfail(strict) until its bug is fixed.
+# Found by this fuzz and fixed by their owners; kept as regression tests below.
 UTF8_BUG = ("bug: bench/results.py read_json_object let UnicodeDecodeError escape "
             "(a result file that is not UTF-8 exited 70, not 17)")
-KNOWN_BUGS: dict[str, str] = {}
-
-
-def _params() -> list[object]:
-    out: list[object] = []
-    for loader in fz.LOADERS:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[loader.name])] \
-            if loader.name in KNOWN_BUGS else []
-        out.append(pytest.param(loader, id=loader.name.replace(" ", "-"), marks=marks))
-    return out
-
-
-@pytest.mark.parametrize("loader", _params())
+@pytest.mark.parametrize("loader", fz.LOADERS, ids=lambda loader: loader.name.replace(" ", "-"))
 def test_mutated_inputs_keep_the_cli_contract(loader: fz.Loader) -> None:
     tally = fz.fuzz(loader, FUZZ_INPUTS, seed=0)
     assert tally.tried == FUZZ_INPUTS
