@@ -101,7 +101,7 @@ def main() -> int:
             for name, cmd, target in (("apply --verify (patched tree)", apply_cmd, 0.5),
                                       ("--version", [*base, "--version"], 0.150),
                                       ("python -c pass (baseline)", [sys.executable, "-c", "pass"],
-                                       float("nan"))):
+                                       None)):
                 times = timed(cmd, env, args.runs)
                 rows.append({"command": name, "env": label, "median_s": statistics.median(times),
                              "min_s": min(times), "max_s": max(times), "runs": len(times),
@@ -110,7 +110,7 @@ def main() -> int:
     print(f"{'command':32} {'env':16} {'median s':>9} {'min s':>7} {'max s':>7} {'target':>7}")
     for r in rows:
         print(f"{r['command']:32} {r['env']:16} {r['median_s']:9.3f} {r['min_s']:7.3f} "
-              f"{r['max_s']:7.3f} {r['target_s']:7.3f}")
+              f"{r['max_s']:7.3f} {'-' if r['target_s'] is None else format(r['target_s'], '7.3f'):>7}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for row in imports[:8]:
         print(f"import {str(row['module']).strip():40} {row['cumulative_us']!s:>8} us cumulative")
@@ -121,7 +121,7 @@ def main() -> int:
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
               "importtime_top": imports, "cprofile_top_tottime": profile,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     print(f"wrote {args.out}")
     return 0
 
