@@ -77,6 +77,12 @@ def profile_top(cmd: list[str], env: dict[str, str], top: int = 12) -> list[str]
     return [] if start is None else [line.strip() for line in lines[start:start + top + 1]]
 
 
+def portable_argv(cmd: list[str]) -> list[str]:
+    """argv as recorded in the committed JSON: no machine-specific interpreter or temp paths."""
+    tmp = tempfile.gettempdir()
+    return ["python" if arg == sys.executable else arg.replace(tmp, "$TMPDIR") for arg in cmd]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
@@ -105,7 +111,7 @@ def main() -> int:
                 times = timed(cmd, env, args.runs)
                 rows.append({"command": name, "env": label, "median_s": statistics.median(times),
                              "min_s": min(times), "max_s": max(times), "runs": len(times),
-                             "target_s": target, "argv": cmd})
+                             "target_s": target, "argv": portable_argv(cmd)})
     print(f"series: {series_label}")
     print(f"{'command':32} {'env':16} {'median s':>9} {'min s':>7} {'max s':>7} {'target':>7}")
     for r in rows:
@@ -121,7 +127,12 @@ def main() -> int:
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
               "importtime_top": imports, "cprofile_top_tottime": profile,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    text = json.dumps(report, indent=2, allow_nan=False)
+    # Committed output: no machine-specific paths (repo checkout, interpreter prefix, home).
+    for path, name in ((str(Path(__file__).resolve().parents[1]) + "/", ""),
+                       (sys.base_prefix, "<python>"), (str(Path.home()), "~")):
+        text = text.replace(path, name)
+    args.out.write_text(text + "\n")
     print(f"wrote {args.out}")
     return 0
 
