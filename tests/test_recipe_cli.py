@@ -34,10 +34,10 @@ def test_validate_reports_every_bad_file_with_exit_2(m3patch_cli: Cli, tmp_path:
 
 def test_show_and_dry_run_print_the_launch_and_start_nothing(m3patch_cli: Cli,
                                                              tmp_path: Path) -> None:
-    show = m3patch_cli("recipe", "show", "recipes/mi300x_tp8_mtp.yaml", env={"COLUMNS": "250"})
+    show = m3patch_cli("recipe", "show", "recipes/mi300x_tp8_eagle3.yaml", env={"COLUMNS": "250"})
     assert show.returncode == 0, show.stderr
     assert "-m vllm.entrypoints.cli.main serve MiniMaxAI/MiniMax-M3-MXFP8" in show.stdout
-    assert '"model":"Inferact/MiniMax-M3-EAGLE3"' in show.stdout
+    assert '"model":"Inferact/MiniMax-M3-EAGLE3-GQA"' in show.stdout
     assert "VLLM_HOST_IP=127.0.0.1" in show.stdout
     assert "m3patch[provenance]: series=vllm-0.33.0" in show.stdout  # the series' marker
     assert "m3patch[mxfp8->block_fp8]: " in show.stdout  # a gfx942-only marker applies here

@@ -74,3 +74,12 @@ def test_a_recipe_marker_cannot_hide_a_series_one(tmp_path: Path) -> None:
     extra = {"required": [{"id": "block-fp8-layer", "text": "something else"}]}
     markers = by_id(gpu_variant(tmp_path, "mi300x_tp8", extra))
     assert len(markers["block-fp8-layer"]) == 2
+
+
+def test_the_mtp_recipe_drafts_with_the_checkpoints_mtp_layer_not_eagle3() -> None:
+    # The 58 above is only right for method "mtp": an EAGLE3 draft is dense and adds no MoE layer.
+    mtp = load_recipe(REPO / "recipes" / "mi300x_tp8_mtp.yaml")
+    eagle3 = load_recipe(REPO / "recipes" / "mi300x_tp8_eagle3.yaml")
+    assert mtp.speculative_json is not None and '"method":"mtp"' in mtp.speculative_json
+    assert mtp.model.draft is None
+    assert eagle3.speculative_json is not None and '"method":"eagle3"' in eagle3.speculative_json
