@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from patch_payload import new_file_from_patch
 
 try:  # the copy-ceiling kernel; the conversion kernels come from the module under test
     import triton
@@ -82,15 +83,7 @@ if triton is not None:
 
 
 def module_text_from_patch(patch: Path) -> str:
-    """Body of the new-file hunk for NEW_MODULE (every line after '@@' starts with '+')."""
-    lines = patch.read_text(encoding="utf-8").splitlines(keepends=True)
-    start = lines.index(f"+++ b/{NEW_MODULE}\n") + 2  # skip '+++' and '@@'
-    body = []
-    for line in lines[start:]:
-        if not line.startswith("+"):
-            break
-        body.append(line[1:])
-    return "".join(body)
+    return new_file_from_patch(patch.read_text(encoding="utf-8"), NEW_MODULE)
 
 
 def load_module(path: Path, name: str) -> ModuleType:

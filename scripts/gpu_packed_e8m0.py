@@ -30,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from patch_payload import new_file_from_patch
+
 REPO = Path(__file__).resolve().parents[1]
 PATCH = REPO / "patches/vllm-0.33.0/0006-packed-e8m0-scales.patch"
 NEW_MODULE = "vllm/model_executor/layers/fused_moe/experts/m3patch_packed_e8m0.py"
@@ -51,21 +53,6 @@ def _unpack_probe_kernel(words_ptr, out_ptr, N, BLOCK_N: tl.constexpr, BLOCK_K: 
     offs_g = tl.arange(0, BLOCK_K // 32)
     tl.store(out_ptr + offs_n[:, None] * (BLOCK_K // 32) + offs_g[None, :], tile)
 """
-
-
-def new_file_from_patch(patch_text: str, path: str) -> str:
-    lines = patch_text.split("\n")
-    start = lines.index(f"+++ b/{path}")
-    if lines[start - 1] != "--- /dev/null":
-        raise SystemExit(f"{path} is not a new file in the patch")
-    body = []
-    for line in lines[start + 1 :]:
-        if line.startswith("@@"):
-            continue
-        if not line.startswith("+"):
-            break
-        body.append(line[1:])
-    return "\n".join(body) + "\n"
 
 
 def baseline_source(vllm_file: Path) -> str:
