@@ -17,6 +17,7 @@ from pathlib import Path
 
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
+from m3patch.launch_plan import LOOPBACK_ENV
 
 POLL_SECONDS = 0.5
 TERM_GRACE_SECONDS = 5.0
@@ -25,12 +26,6 @@ METRIC_PERCENTILES = "50,90,99"
 CLIENT_LOG_TAIL_LINES = 15
 
 # Loopback only, no telemetry: the same environment the server runs with (vllm-cpu.md §3).
-CLIENT_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,7 @@ def run_client(
     `check_server` raises (ServerDied, MarkerForbidden, ...) when the server is no longer fit to
     measure; the client is then stopped and the server's error propagates unchanged.
     """
-    env = {**os.environ, **CLIENT_ENV}
+    env = {**os.environ, **dict(LOOPBACK_ENV)}  # the server's loopback-only settings
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
