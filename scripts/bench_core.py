@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from m3patch.pristine import copy_tree, pristine_tree  # noqa: E402
+from m3patch.patching.pristine import copy_tree, pristine_tree  # noqa: E402
 
 
 def pick_series(work: Path) -> tuple[Path, str]:

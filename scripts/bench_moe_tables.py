@@ -23,7 +23,7 @@ import torch
 from m3patch.tune import compile_pool, naming
 from m3patch.tune.cache import ResultCache
 from m3patch.tune.kernel_source import load_kernel
-from m3patch.tune.runner import MoEBench
+from m3patch.tune.kernel_timer import MoEBench
 from m3patch.tune.shapes import DEFAULT_BATCH_SIZES, MoEShape
 from m3patch.tune.space import REDUCED_BF16_AXES, space_for_shape
 from m3patch.tune.tuner import Progress, TuneOptions, tune_batch

@@ -6,7 +6,7 @@ Works on a private hard-linked copy of the real vLLM 0.33.0 tree with tests/data
 (4 modified files over 3 patches, one added file, one deleted). Two phases:
 
 1. kills: a random apply or revert is SIGKILLed, half of the time at a random write step
-   (M3PATCH_FAULT=kill-after:N, the test-only hook in m3patch/txn.py), half of the time after a
+   (M3PATCH_FAULT=kill-after:N, the test-only hook in m3patch/patching/writer.py), half of the time after a
    random delay (a real signal at an arbitrary instruction). Then a clean run of a random
    command must exit 0 and leave a verified state: applied (verify passes) or pristine (every
    file equals the wheel's RECORD), with no journal, staged file or backup left.
@@ -34,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from m3patch.apply_api import verify_tree  # noqa: E402
-from m3patch.ledger import state_dir  # noqa: E402
-from m3patch.locate import tree_at  # noqa: E402
-from m3patch.pristine import copy_tree, pristine_tree, verify_against_record  # noqa: E402
-from m3patch.series import load_series  # noqa: E402
+from m3patch.patching.api import verify_tree  # noqa: E402
+from m3patch.patching.ledger import state_dir  # noqa: E402
+from m3patch.patching.locate import tree_at  # noqa: E402
+from m3patch.patching.pristine import copy_tree, pristine_tree, verify_against_record  # noqa: E402
+from m3patch.patching.series import load_series  # noqa: E402
 
 SERIES = REPO / "tests" / "data" / "test-series"
 MAX_WRITE_STEP = 18  # write steps of a full apply of the test series (tests/test_core_txn.py)

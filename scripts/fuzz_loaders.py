@@ -245,7 +245,7 @@ def _run_lock(work: Path, text: str, crash: Path) -> Outcome:
 
 
 def _pristine() -> Path:
-    from m3patch.pristine import pristine_tree
+    from m3patch.patching.pristine import pristine_tree
 
     return pristine_tree("0.33.0")
 
@@ -283,7 +283,7 @@ def _run_changelog(work: Path, text: str, crash: Path) -> Outcome:
 def _cell() -> Any:
     from m3patch.bench.cells import Cell
     from m3patch.bench.spec import recipe_cells
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "cpu_tiny_moe.yaml")
     cells: tuple[Cell, ...] = recipe_cells(recipe)
@@ -299,7 +299,7 @@ def _aggregate_seed(work: Path) -> str:
     cell = _cell()
     data = json.loads((BENCH_DATA / "isl32-osl16-c1.json").read_text())
     doc = res.cell_document(data, cell, {"series": "vllm-0.32.0"}, 1.0)
-    res.write_json_atomic(run / "cells" / f"{cell.cell_id}.json", doc)
+    res.write_result(run / "cells" / f"{cell.cell_id}.json", doc)
     write_aggregate(run, {"recipe_name": "cpu_tiny_moe"}, [cell.cell_id])
     return (run / AGGREGATE_JSON).read_text()
 
@@ -331,7 +331,7 @@ def _run_result(work: Path, text: str, crash: Path) -> Outcome:
         res.check_vllm_result(data, raw)
         res.cell_failures(data, cell)
         doc = res.cell_document(data, cell, {"series": "s"}, 1.0)
-        res.write_json_atomic(run / "cells" / f"{cell.cell_id}.json", doc)
+        res.write_result(run / "cells" / f"{cell.cell_id}.json", doc)
         write_aggregate(run, {"recipe_name": "fuzz"}, [cell.cell_id])
     return Outcome(outcome.code, err.getvalue(), time.monotonic() - start)
 

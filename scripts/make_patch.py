@@ -3,7 +3,7 @@
     python scripts/make_patch.py --base BASE_ROOT --edited EDITED_ROOT -o patches/vllm-0.33.0/NNNN-x.patch \
         vllm/path/one.py vllm/path/new_file.py ...
 
-BASE_ROOT is the tree the patch applies to (the pristine tree from `python -m m3patch.pristine 0.33.0`,
+BASE_ROOT is the tree the patch applies to (the pristine tree from `python -m m3patch.patching.pristine 0.33.0`,
 or a copy with the earlier patches of the series applied); EDITED_ROOT holds the edited files (it may
 hold only those). Paths are relative to the roots and must start with `vllm/`. A file missing from
 BASE_ROOT becomes a new-file hunk (`--- /dev/null`). Output is deterministic: paths sorted, no

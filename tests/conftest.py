@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from core_helpers import REPO, TEST_SERIES, CliRunner
 
-from m3patch.pristine import copy_tree, pristine_tree
+from m3patch.patching.pristine import copy_tree, pristine_tree
 
 # ---------------------------------------------------------------- core: trees and the CLI
 

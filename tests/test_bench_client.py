@@ -16,7 +16,7 @@ import pytest
 
 from m3patch.bench.client import log_tail, run_client
 from m3patch.errors import BenchFailed, ServerDied
-from m3patch.procs import children_of
+from m3patch.serving.processes import children_of
 
 SLEEPER = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
 

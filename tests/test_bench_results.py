@@ -16,7 +16,7 @@ from m3patch.bench.results import (
     finished_cell,
     read_cell_file,
     read_json_object,
-    write_json_atomic,
+    write_result,
 )
 from m3patch.errors import ResultsInvalid
 
@@ -97,7 +97,7 @@ def test_cell_document_round_trips_and_resume_recognises_it(tmp_path: Path) -> N
     data = read_json_object(GOOD_C4)
     prov = {"recipe_name": "cpu_tiny_moe", "series": "vllm-0.32.0", "gpu_count": 1}
     path = tmp_path / f"{CELL_C4.cell_id}.json"
-    write_json_atomic(path, cell_document(data, CELL_C4, prov, 12.5))
+    write_result(path, cell_document(data, CELL_C4, prov, 12.5))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
     back = read_cell_file(path)
     assert back["m3patch"]["cell"]["gpu_count"] == 1
@@ -115,5 +115,5 @@ def test_a_plain_vllm_file_is_not_a_per_cell_file() -> None:
 def test_resume_remeasures_a_partial_cell(tmp_path: Path) -> None:
     cell = Cell(SeqLen(400, 40), Parallelism(), 2, 0.5)
     path = tmp_path / "c.json"
-    write_json_atomic(path, cell_document(read_json_object(PARTIAL), cell, {}, 1.0))
+    write_result(path, cell_document(read_json_object(PARTIAL), cell, {}, 1.0))
     assert not finished_cell(path, cell)

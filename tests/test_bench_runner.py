@@ -64,7 +64,7 @@ def test_a_resumed_cell_with_another_range_ratio_is_measured_again(
     recipe: Path, tmp_path: Path
 ) -> None:
     from m3patch.bench.runner import all_finished, select_cells
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
 
     run = shutil.copytree(BASE_RUN, tmp_path / "run")
     assert all_finished(run, select_cells(load_recipe(recipe), ()))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m3patch.procs import children_of
+from m3patch.serving.processes import children_of
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_RECIPE = REPO / "recipes" / "cpu_tiny_moe.yaml"

@@ -13,7 +13,7 @@ import pytest
 
 from m3patch.commands import ci
 from m3patch.errors import ResultsInvalid
-from m3patch.ledger import ledger_path
+from m3patch.patching.ledger import ledger_path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,11 @@ import pytest
 from core_helpers import REPO, CliRunner, replace_file
 
 from m3patch import errors
-from m3patch.apply_api import apply_series, revert_series, tree_status, verify_tree
-from m3patch.ledger import ledger_path, read_ledger
-from m3patch.locate import tree_at
-from m3patch.pristine import verify_against_record
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series, revert_series, tree_status, verify_tree
+from m3patch.patching.ledger import ledger_path, read_ledger
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
+from m3patch.patching.series import load_series
 
 LOGGER = "vllm/logger.py"
 ADDED = "vllm/m3patch_test_added.py"
@@ -189,7 +189,7 @@ def test_already_applied_is_decided_without_parsing_a_patch(
     probe = ("import sys; from m3patch.main import main; "
              f"rc = main(['apply', '--verify', '--vllm-root', {str(vllm_tree)!r}, "
              f"'--series', {str(test_series)!r}]); "
-             "print(sorted(m for m in ('unidiff', 'm3patch.engine', 'm3patch.txn') "
+             "print(sorted(m for m in ('unidiff', 'm3patch.patching.engine', 'm3patch.patching.writer') "
              "if m in sys.modules)); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=REPO, check=False)

@@ -17,9 +17,9 @@ import pytest
 from core_helpers import CliRunner, make_series, new_file_diff
 
 from m3patch import errors
-from m3patch.apply_api import apply_series
-from m3patch.locate import tree_at
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series
+from m3patch.patching.locate import tree_at
+from m3patch.patching.series import load_series
 
 PEP695 = "vllm/m3patch_pep695.py"
 

@@ -11,11 +11,11 @@ import pytest
 from core_helpers import CliRunner, append_diff, make_series, new_file_diff, replace_file
 
 from m3patch import errors
-from m3patch.apply_api import apply_series, revert_series, verify_tree
-from m3patch.ledger import state_dir
-from m3patch.locate import tree_at
-from m3patch.pristine import verify_against_record
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series, revert_series, verify_tree
+from m3patch.patching.ledger import state_dir
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
+from m3patch.patching.series import load_series
 
 TOOL = "vllm/m3patch_newpkg/sub/tool.py"  # vllm/m3patch_newpkg/ does not exist in vLLM
 KEPT = "vllm/m3patch_keep"  # made empty by the test before the apply: must survive revert

@@ -10,7 +10,7 @@ import pytest
 from core_helpers import CliRunner
 
 from m3patch import errors
-from m3patch.diffs import parse_patch, split_lines
+from m3patch.patching.diffs import parse_patch, split_lines
 
 LOG_HUNK = """@@ -31,6 +31,7 @@ _FORMAT = (
      "[%(fileinfo)s:%(lineno)d] %(message)s"

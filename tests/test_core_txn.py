@@ -1,6 +1,6 @@
 """Transactions: SIGKILL at every write step, injected I/O errors, 8 concurrent ranks.
 
-The fault hook (M3PATCH_FAULT, test-only, documented in m3patch/txn.py) stops the real apply
+The fault hook (M3PATCH_FAULT, test-only, documented in m3patch/patching/writer.py) stops the real apply
 at a chosen write step; a real process cannot be made to die at an exact step otherwise.
 """
 
@@ -15,11 +15,11 @@ import pytest
 from core_helpers import REPO, CliRunner
 
 from m3patch import errors
-from m3patch.apply_api import apply_series, revert_series, verify_tree
-from m3patch.ledger import read_ledger, state_dir
-from m3patch.locate import tree_at
-from m3patch.pristine import verify_against_record
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series, revert_series, verify_tree
+from m3patch.patching.ledger import read_ledger, state_dir
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
+from m3patch.patching.series import load_series
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -105,7 +105,7 @@ def test_eight_concurrent_ranks(vllm_tree: Path, test_series: Path) -> None:
 
 
 def test_lock_timeout(vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
-    from m3patch.txn import tree_lock
+    from m3patch.patching.writer import tree_lock
 
     with tree_lock(vllm_tree):  # hold the lock in this process; the CLI must give up
         proc = m3patch_cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series),

@@ -41,10 +41,10 @@ def test_verified_state_tells_the_three_cases_apart(vllm_tree: Path) -> None:
 
 def test_a_temp_file_left_by_a_kill_in_atomic_write_is_cleaned(vllm_tree: Path,
                                                                 test_series: Path) -> None:
-    from m3patch.apply_api import apply_series
-    from m3patch.ledger import state_dir
-    from m3patch.locate import tree_at
-    from m3patch.series import load_series
+    from m3patch.patching.api import apply_series
+    from m3patch.patching.ledger import state_dir
+    from m3patch.patching.locate import tree_at
+    from m3patch.patching.series import load_series
 
     state_dir(vllm_tree).mkdir()
     # exactly what SIGKILL after write_new() and before replace() leaves (pid of the dead run)

@@ -25,7 +25,7 @@ import pytest
 
 from m3patch import errors
 from m3patch.main import main
-from m3patch.pristine import verify_against_record
+from m3patch.patching.pristine import verify_against_record
 
 TOUCHED = ("vllm/__init__.py", "vllm/_version.py", "vllm/version.py", "vllm/logger.py",
            "vllm/tool_parsers/beam_tool_parser.py",
@@ -236,9 +236,9 @@ def test_tree_on_another_filesystem_than_tmpdir(pristine_033: Path, test_series:
 # "as a namespace package) and the tree is not restored"
 def test_failed_apply_and_revert_leave_no_new_folders(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from m3patch.apply_api import apply_series, revert_series
-    from m3patch.locate import tree_at
-    from m3patch.series import load_series
+    from m3patch.patching.api import apply_series, revert_series
+    from m3patch.patching.locate import tree_at
+    from m3patch.patching.series import load_series
     from tests.test_props_engine import FileCase, make_series, write_tree
 
     cases = [FileCase("vllm/a.py", ["a\n"], ["b\n"]),

@@ -22,8 +22,8 @@ import yaml
 
 from m3patch import errors
 from m3patch.markers import MarkerChecker, MarkerSpec
-from m3patch.procs import children_of, group_members
-from m3patch.supervisor import STOP_GRACE_S, LaunchSpec, Supervisor
+from m3patch.serving.processes import children_of, group_members
+from m3patch.serving.supervisor import STOP_GRACE_S, LaunchSpec, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = MarkerSpec("cpu-moe", "required", "Using CPUUnquantizedExperts MoE backend", "test", 1)

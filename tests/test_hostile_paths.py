@@ -72,7 +72,7 @@ def _hostile_params() -> list[object]:
 def test_a_patch_never_writes_outside_the_tree(tmp_path: Path, pristine_033: Path,
                                                name: str) -> None:
     """A new-file diff needs no context, so a path that passes the checks would be written."""
-    from m3patch.pristine import copy_tree
+    from m3patch.patching.pristine import copy_tree
 
     root = copy_tree(pristine_033, tmp_path / "box" / "site-packages")
     (tmp_path / "box" / "outside.txt").write_text("keep\n")
@@ -162,8 +162,8 @@ INJECTIONS = ["; touch /tmp/m3patch-pwned", "$(touch /tmp/m3patch-pwned)", "`id`
 
 @pytest.mark.parametrize("value", INJECTIONS, ids=range(len(INJECTIONS)))
 def test_recipe_values_reach_vllm_as_single_argv_elements(tmp_path: Path, value: str) -> None:
-    from m3patch.launch_plan import plan_launch
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.launch_plan import plan_launch
 
     data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
     data["series"] = str(REPO / "patches" / "vllm-0.32.0")
@@ -180,7 +180,7 @@ def test_recipe_values_reach_vllm_as_single_argv_elements(tmp_path: Path, value:
     plan = plan_launch(recipe, "/usr/bin/python3", 8000, tmp_path / "server.log", None)
     argv = list(plan.spec.argv)
     # paths expand ${VAR} and ~ (documented recipe feature); vllm-args values are verbatim
-    from m3patch.recipe_sections import expand
+    from m3patch.recipe.sections import expand
 
     assert value in argv and str(Path(expand(f"/models/{value}")).absolute()) in argv
     assert plan.spec.env["M3PATCH_TEST_VALUE"] == value

@@ -12,7 +12,7 @@ from m3patch.bench.cells import Parallelism
 from m3patch.bench.matrix import GITHUB_MATRIX_LIMIT, MatrixRecipe, build_matrix
 from m3patch.errors import UsageError
 from m3patch.main import main
-from m3patch.recipe import doubling
+from m3patch.recipe.loader import doubling
 
 REPO = Path(__file__).resolve().parents[1]
 

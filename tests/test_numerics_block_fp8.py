@@ -21,10 +21,10 @@ torch = pytest.importorskip("torch")
 if TYPE_CHECKING:
     from torch import Tensor
 
-from m3patch.apply_api import apply_series  # noqa: E402
-from m3patch.locate import tree_at  # noqa: E402
-from m3patch.pristine import copy_tree  # noqa: E402
-from m3patch.series import load_series  # noqa: E402
+from m3patch.patching.api import apply_series  # noqa: E402
+from m3patch.patching.locate import tree_at  # noqa: E402
+from m3patch.patching.pristine import copy_tree  # noqa: E402
+from m3patch.patching.series import load_series  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from m3patch.apply_api import apply_series
-from m3patch.locate import tree_at
-from m3patch.pristine import copy_tree
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import copy_tree
+from m3patch.patching.series import load_series
 from tests.conftest import REPO
 
 SERIES = REPO / "patches" / "vllm-0.33.0"

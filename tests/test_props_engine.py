@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from m3patch import errors
-from m3patch.apply_api import apply_series, revert_series, tree_status, verify_tree
-from m3patch.locate import tree_at
 from m3patch.main import main
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series, revert_series, tree_status, verify_tree
+from m3patch.patching.locate import tree_at
+from m3patch.patching.series import load_series
 
 LINES = ("x = 1\n", "pass\n", "\n", "# c\n", "def f():\n", "    return 0\n", "é = 'ü'\n",
          "a\x0cb\n", "u\u2028v\n", "    \n", "\t\n", "\r\n")

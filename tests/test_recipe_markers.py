@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from m3patch.errors import UsageError
-from m3patch.launch_plan import all_markers
-from m3patch.recipe import load_recipe
+from m3patch.recipe.loader import load_recipe
+from m3patch.serving.launch_plan import all_markers
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m3patch.recipe import doubling, load_recipe
-from m3patch.recipe_argv import flatten_vllm_args
+from m3patch.recipe.argv import flatten_vllm_args
+from m3patch.recipe.loader import doubling, load_recipe
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[1]

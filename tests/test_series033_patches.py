@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from m3patch.apply_api import apply_series, revert_series, verify_tree
-from m3patch.diffs import parse_patch
-from m3patch.locate import tree_at
-from m3patch.pristine import verify_against_record
-from m3patch.series import load_series
+from m3patch.patching.api import apply_series, revert_series, verify_tree
+from m3patch.patching.diffs import parse_patch
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
+from m3patch.patching.series import load_series
 
 REPO = Path(__file__).resolve().parents[1]
 SERIES = REPO / "patches" / "vllm-0.33.0"

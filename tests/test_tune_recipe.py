@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from m3patch.errors import UsageError
-from m3patch.recipe import load_recipe
+from m3patch.recipe.loader import load_recipe
 from m3patch.tune.recipe_shapes import deployment, shape_for_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from m3patch.pristine import pristine_tree
+from m3patch.patching.pristine import pristine_tree
 from m3patch.tune import kernel_source, naming, space
 from m3patch.tune.shapes import DEFAULT_BATCH_SIZES, MoEShape
 from m3patch.tune.space import FULL_AXES, REDUCED_BF16_AXES, TileConfig

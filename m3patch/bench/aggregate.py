@@ -20,8 +20,10 @@ from m3patch.bench.results import (
     invalid,
     read_cell_file,
     read_json_object,
-    write_json_atomic,
+    write_result,
 )
+from m3patch.errors import ResultsInvalid
+from m3patch.fsio import write_bytes_atomic
 
 AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
@@ -95,11 +97,9 @@ def write_aggregate(
 ) -> list[dict[str, Any]]:
     """aggregate.json (meta + rows) and aggregate.csv (rows) from the run's per-cell files."""
     rows = rows_of_run(run_dir, cell_ids)
-    write_json_atomic(run_dir / AGGREGATE_JSON,
+    write_result(run_dir / AGGREGATE_JSON,
                       {"schema": AGGREGATE_SCHEMA, **meta, "rows": rows})
-    tmp = run_dir / f".{AGGREGATE_CSV}.tmp"
-    tmp.write_text(csv_text(rows))
-    tmp.replace(run_dir / AGGREGATE_CSV)
+    write_bytes_atomic(run_dir / AGGREGATE_CSV, csv_text(rows).encode("utf-8"), error=ResultsInvalid)
     return rows
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
-from m3patch.launch_plan import LOOPBACK_ENV
+from m3patch.serving.launch_plan import LOOPBACK_ENV
 
 POLL_SECONDS = 0.5
 TERM_GRACE_SECONDS = 5.0

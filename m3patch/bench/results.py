@@ -7,15 +7,14 @@ Every malformed or missing file raises ResultsInvalid naming the file and the ke
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from m3patch.bench.cells import Cell
 from m3patch.errors import ResultsInvalid
+from m3patch.fsio import read_json, write_json_atomic
 
 CELL_SCHEMA = 1
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -35,20 +34,7 @@ def invalid(where: Path | str, key: str | None, problem: str) -> ResultsInvalid:
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise invalid(path, None, "missing") from None
-    except OSError as exc:
-        raise invalid(path, None, f"cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise invalid(path, None, f"not UTF-8 text (byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise invalid(path, None, f"not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise invalid(path, None, f"expected a JSON object, got {type(data).__name__}")
+    data: dict[str, Any] = read_json(path, error=ResultsInvalid, hint=FIX_HINT, expect=dict)
     return data
 
 
@@ -113,11 +99,9 @@ def cell_document(
     return {**vllm_result, "m3patch": extra}
 
 
-def write_json_atomic(path: Path, data: object) -> None:
-    """New file + rename: a reader never sees half a result, a crash leaves the old one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+def write_result(path: Path, data: object) -> None:
+    """A result file, sorted keys; a write failure is a results error (exit 17)."""
+    write_json_atomic(path, data, sort_keys=True, error=ResultsInvalid)
 
 
 def read_cell_file(path: Path) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, server_died
 from m3patch.bench.sweep import SweepOutcome, SweepSettings, refuse_overwrite, run_sweep
 from m3patch.errors import UsageError
-from m3patch.recipe import Recipe, load_recipe
+from m3patch.recipe.loader import Recipe, load_recipe
 
 if TYPE_CHECKING:
-    from m3patch.serve_session import ServeSession
+    from m3patch.serving.server_session import ServeSession
 
 HEALTH_TIMEOUT_S = 5.0
 PLOTS_DIR = "plots"
@@ -101,7 +101,7 @@ def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
     elif args.url:
         _sweep_external(recipe, python, args.url.rstrip("/"), settings, cells)
     else:
-        from m3patch.serve_session import ServeSession
+        from m3patch.serving.server_session import ServeSession
 
         with ServeSession(recipe, run_dir, python=python, port=args.port) as session:
             target = BenchTarget(Path(session.python), session.base_url, session.model,

@@ -1,7 +1,7 @@
 """From a Recipe to what the bench needs: cells, matrix rows, a cell deadline, and provenance.
 
 The rest of m3patch.bench works on plain values (cells, rows); this module is the one place that
-reads m3patch.recipe's dataclasses, so a recipe schema change touches one file.
+reads m3patch.recipe.loader's dataclasses, so a recipe schema change touches one file.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
 from m3patch.bench.matrix import MatrixRecipe
 from m3patch.errors import UsageError
-from m3patch.recipe import Recipe
+from m3patch.recipe.loader import Recipe
 
 IMAGE_ENV = "M3PATCH_IMAGE"
 # `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU
@@ -82,8 +82,8 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
     says who started the server: "m3patch serve" (tree verified, markers gated) or "external".
     A tree without a ledger is an unpatched baseline: series null, no patches.
     """
-    from m3patch.ledger import digest, ledger_path, read_ledger
-    from m3patch.locate import find_vllm
+    from m3patch.patching.ledger import digest, ledger_path, read_ledger
+    from m3patch.patching.locate import find_vllm
 
     tree = find_vllm(python=python)
     ledger = read_ledger(tree.root)
@@ -105,7 +105,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
 
 
 def _patch_hashes(recipe: Recipe, patch_ids: tuple[str, ...]) -> list[dict[str, str | None]]:
-    from m3patch.series import load_series
+    from m3patch.patching.series import load_series
 
     lock = load_series(recipe.series_dir).lock
     pins = {pin.id: pin.sha256 for pin in lock.patches} if lock else {}

@@ -132,4 +132,4 @@ def _measure(
         msg = f"cell {cell.cell_id}: {'; '.join(problems)} ({raw_path}, client log {log_path})"
         raise BenchFailed(msg, hint=settings.rerun_hint)
     document = res.cell_document(data, cell, provenance, run.seconds)
-    res.write_json_atomic(run_dir / CELLS_DIR / f"{cell.cell_id}.json", document)
+    res.write_result(run_dir / CELLS_DIR / f"{cell.cell_id}.json", document)

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.apply_api import apply_series, verify_tree
+    from m3patch.patching.api import apply_series, verify_tree
 
     tree, series = tree_and_series(args)
     report = apply_series(tree, series, dry_run=args.dry_run, only=args.only,

@@ -70,7 +70,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     from m3patch.bench import compare as cmp
     from m3patch.bench.aggregate import load_aggregate
     from m3patch.bench.plots import PlotRun, draw, run_title
-    from m3patch.bench.results import write_json_atomic
+    from m3patch.bench.results import write_result
     from m3patch.output import info, stdout_console, table
 
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
@@ -84,7 +84,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
     stdout_console().print(cmp.summary(result), markup=False, highlight=False)
     if args.json:
-        write_json_atomic(args.json, cmp.to_json(result))
+        write_result(args.json, cmp.to_json(result))
         info(f"comparison written to {args.json}")
     if args.plots:
         runs = [PlotRun("base", run_title(base_agg), tuple(base_agg["rows"])),

@@ -12,7 +12,6 @@ invocation or unknown ref. With GITHUB_ACTIONS=true each problem is also a `::er
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -119,7 +118,6 @@ def _read_base(root: Path | None, rel: str, base_ref: str | None) -> bytes | Non
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    from m3patch.fsio import write_json_atomic
+
+    write_json_atomic(path, data)

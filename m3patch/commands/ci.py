@@ -4,7 +4,7 @@ Steps, in order, each a result with a status; the first failure skips the rest a
 (errors.py) is the job's:
   recipe        load and validate the recipe
   apply-verify  apply the recipe's series to the tree the recipe's python imports, verify it,
-                copy the ledger into the run folder (in-process: m3patch.apply_api)
+                copy the ledger into the run folder (in-process: m3patch.patching.api)
   serve-sweep   `m3patch bench RECIPE --run-dir DIR` in a child process (its own signal
                 handling and process group discipline): apply+verify again (idempotent), start
                 vLLM, gate markers, sweep every cell, aggregate, plot
@@ -16,8 +16,6 @@ aggregate.json/.csv, the PNG plots, ledger.json, and ci.json (this summary).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import ALL_ERRORS, INTERNAL_ERROR_EXIT, M3PatchError, ResultsInvalid
+from m3patch.fsio import write_bytes_atomic, write_json_atomic
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
@@ -96,7 +95,7 @@ def _run_step(name: str, step: StepFn) -> tuple[StepResult, M3PatchError | None]
 
 
 def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
 
     recipe = load_recipe(path)
     state["recipe"] = recipe
@@ -108,10 +107,10 @@ def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...
 
 
 def _apply_verify(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    from m3patch.apply_api import apply_series, verify_tree
-    from m3patch.ledger import ledger_path
-    from m3patch.locate import find_vllm
-    from m3patch.series import load_series
+    from m3patch.patching.api import apply_series, verify_tree
+    from m3patch.patching.ledger import ledger_path
+    from m3patch.patching.locate import find_vllm
+    from m3patch.patching.series import load_series
 
     recipe = state["recipe"]
     series = load_series(recipe.series_dir)
@@ -119,7 +118,7 @@ def _apply_verify(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     report = apply_series(tree, series)
     verify_tree(tree, series).raise_for_failure()
     copy = Path(state["run_dir"]) / "ledger.json"
-    _write_bytes(copy, ledger_path(tree.root).read_bytes())
+    write_bytes_atomic(copy, ledger_path(tree.root).read_bytes())
     return report.summary().removeprefix("m3patch: "), (copy.name,)
 
 
@@ -198,11 +197,4 @@ def _write_summary(recipe: Path, run_dir: Path, results: list[StepResult]) -> No
         "schema": 1, "recipe": str(recipe), "run_dir": str(run_dir),
         "exit_code": exit_code_of(results), "steps": [asdict(r) for r in results],
     }
-    _write_bytes(Path(run_dir) / SUMMARY, (json.dumps(data, indent=2) + "\n").encode())
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    write_json_atomic(Path(run_dir) / SUMMARY, data)

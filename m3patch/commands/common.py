@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from m3patch.errors import UsageError
-from m3patch.locate import VllmTree, find_vllm
-from m3patch.series import Series, load_series
+from m3patch.patching.locate import VllmTree, find_vllm
+from m3patch.patching.series import Series, load_series
 
 ENV_SERIES = "M3PATCH_SERIES"
 REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"

@@ -16,10 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.launch_plan import all_markers
     from m3patch.markers import MarkerChecker, check_log_bytes
     from m3patch.output import table
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.launch_plan import all_markers
 
     recipe = load_recipe(args.recipe)
     specs = all_markers(recipe, None)

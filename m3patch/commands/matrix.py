@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from m3patch.bench.matrix import build_matrix, recipe_cells
     from m3patch.bench.spec import in_recipe, matrix_recipe
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
 
     recipes = []
     for path in args.recipes:

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(files: list[Path]) -> int:
-    from m3patch.launch_plan import all_markers
     from m3patch.output import info
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.launch_plan import all_markers
 
     first_error: M3PatchError | None = None
     for path in files:
@@ -38,9 +38,9 @@ def _validate(files: list[Path]) -> int:
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
     """Print what `serve` would run; shared with `serve --dry-run`."""
-    from m3patch.launch_plan import plan_launch
     from m3patch.output import table
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.launch_plan import plan_launch
 
     recipe = load_recipe(recipe_path)
     interpreter = python or recipe.target.python or sys.executable

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.apply_api import revert_series
+    from m3patch.patching.api import revert_series
 
     tree, series = tree_and_series(args)
     report = revert_series(tree, series, dry_run=args.dry_run)

@@ -28,16 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _lock(args: argparse.Namespace) -> int:
-    from m3patch import engine
-    from m3patch.diffs import parse_patch, safe_target
-    from m3patch.ledger import digest
-    from m3patch.locate import check_target, tree_at
-    from m3patch.series import LOCK, LOCK_SCHEMA, load_series
-    from m3patch.txn import atomic_write
+    from m3patch.fsio import replace_atomic
+    from m3patch.patching import engine
+    from m3patch.patching.diffs import parse_patch, safe_target
+    from m3patch.patching.ledger import digest
+    from m3patch.patching.locate import check_target, tree_at
+    from m3patch.patching.series import LOCK, LOCK_SCHEMA, load_series
 
     series = load_series(series_dir(args, None), with_lock=False)
     if args.pristine:
-        from m3patch.pristine import pristine_tree
+        from m3patch.patching.pristine import pristine_tree
 
         root = pristine_tree(series.target_version)
     else:
@@ -60,13 +60,13 @@ def _lock(args: argparse.Namespace) -> int:
             "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
                          "files": [{"path": f.path, "pre": f.pre, "post": f.post}
                                    for f in p.files]} for p in pins]}
-    atomic_write(series.directory / LOCK, (json.dumps(body, indent=2) + "\n").encode())
+    replace_atomic(series.directory / LOCK, (json.dumps(body, indent=2) + "\n").encode())
     say(f"m3patch: wrote {series.directory / LOCK}: {len(pins)} patch(es), {len(paths)} file(s)")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    from m3patch.series import load_series
+    from m3patch.patching.series import load_series
 
     series = load_series(series_dir(args, None))
     say(f"{series.id}: vLLM {series.target_version}"

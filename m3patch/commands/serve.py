@@ -50,8 +50,8 @@ def _echo(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from m3patch.commands.recipe import show_plan
     from m3patch.output import info
-    from m3patch.recipe import load_recipe
-    from m3patch.serve_session import ServeSession
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.server_session import ServeSession
 
     if args.dry_run:
         show_plan(args.recipe, args.python, args.port)

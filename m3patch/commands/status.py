@@ -15,7 +15,7 @@ from m3patch.commands.common import add_series_option, add_tree_options, say, tr
 from m3patch.errors import PatchConflict
 
 if TYPE_CHECKING:
-    from m3patch.checks import StatusReport
+    from m3patch.patching.tree_state import StatusReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.apply_api import tree_status
+    from m3patch.patching.api import tree_status
 
     tree, series = tree_and_series(args)
     report = tree_status(tree, series)

@@ -79,7 +79,7 @@ def _recipe_shape(args: argparse.Namespace, dtype: str, block: tuple[int, int] |
         msg = f"{', '.join(given)} cannot be combined with --recipe: the recipe sets parallelism"
         raise UsageError(msg, hint=f"edit parallelism/env in {args.recipe}, or use "
                                    f"--model-config with {' '.join(given)} instead of --recipe")
-    from m3patch.recipe import load_recipe
+    from m3patch.recipe.loader import load_recipe
     from m3patch.tune.recipe_shapes import shape_for_recipe
 
     return shape_for_recipe(load_recipe(args.recipe), model_config=args.model_config,
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         _print_plan(shapes, batches, axes, args.device_name)
         return 0
     try:
-        from m3patch.tune.session import TuneSpec, run_tune
+        from m3patch.tune.job import TuneSpec, run_tune
         from m3patch.tune.tuner import TuneOptions
     except ImportError as exc:
         msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"

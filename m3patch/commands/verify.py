@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.apply_api import verify_tree
+    from m3patch.patching.api import verify_tree
 
     tree, series = tree_and_series(args)
     report = verify_tree(tree, series)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import UsageError
-from m3patch.recipe import Recipe
+from m3patch.recipe.loader import Recipe
 from m3patch.tune.shapes import MoEShape, shapes_from_model_config
 
 _TRUE = ("1", "true")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 from m3patch.tune.naming import default_config
-from m3patch.tune.runner import ConfigFailed, MoEBench
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig
 from m3patch.tune.tile import refine_candidates

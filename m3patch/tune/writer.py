@@ -9,13 +9,13 @@ lookup never asks for.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m3patch.errors import ResultsInvalid, TreeIOError
+from m3patch.errors import ResultsInvalid
+from m3patch.fsio import write_json_atomic
 from m3patch.tune.space import TileConfig
 
 PROVENANCE_SUFFIX = ".provenance.json"
@@ -92,16 +92,7 @@ def _search_dict(rec: SearchRecord) -> dict[str, Any]:
 
 
 def _dump(path: Path, data: Mapping[str, Any]) -> None:
-    text = json.dumps(data, indent=4) + "\n"
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(text, encoding="utf-8")
-        staging.replace(path)
-    except OSError as exc:
-        staging.unlink(missing_ok=True)
-        msg = f"cannot write {path}: {exc.strerror}"
-        raise TreeIOError(msg, hint=f"check that {path.parent} is writable") from exc
+    write_json_atomic(path, data, indent=4)
 
 
 def write_table(out_dir: Path, file_name: str, best: Mapping[int, TileConfig],

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from m3patch import markers as mk
 from m3patch.errors import UsageError
-from m3patch.recipe import Recipe
-from m3patch.supervisor import LaunchSpec
+from m3patch.recipe.loader import Recipe
+from m3patch.serving.supervisor import LaunchSpec
 
 VLLM_MAIN = ("-m", "vllm.entrypoints.cli.main", "serve")
 PROVENANCE_PREFIX = "m3patch[provenance]: "
@@ -35,7 +35,7 @@ class LaunchPlan:
 
 def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
     """The markers the recipe's series declares for the recipe's platform."""
-    from m3patch.series import load_series
+    from m3patch.patching.series import load_series
 
     series = load_series(recipe.series_dir)
     if series.target_version != recipe.target.vllm_version:
@@ -94,11 +94,11 @@ def check_model(recipe: Recipe) -> None:
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
     """Apply and verify the series on the tree `python` imports; the ledger's sha256 hex."""
-    from m3patch.apply_api import apply_series, verify_tree
-    from m3patch.ledger import digest, ledger_path
-    from m3patch.locate import find_vllm
     from m3patch.output import info
-    from m3patch.series import load_series
+    from m3patch.patching.api import apply_series, verify_tree
+    from m3patch.patching.ledger import digest, ledger_path
+    from m3patch.patching.locate import find_vllm
+    from m3patch.patching.series import load_series
 
     check_model(recipe)
     series = load_series(recipe.series_dir)

@@ -1,7 +1,7 @@
 """ServeSession: a patched, verified, marker-gated `vllm serve` for the length of a `with` block.
 
-    from m3patch.recipe import load_recipe
-    from m3patch.serve_session import ServeSession
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.serving.server_session import ServeSession
 
     recipe = load_recipe(Path("recipes/cpu_tiny_moe.yaml"))
     with ServeSession(recipe, run_dir) as server:       # apply + verify, start, ready, markers
@@ -19,7 +19,6 @@ MarkerMissing 12, MarkerForbidden 13, RunDeadline 15, ServerDied 18. `server.log
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.error
@@ -29,11 +28,12 @@ from pathlib import Path
 from types import TracebackType
 
 from m3patch.errors import RunDeadline, ServerDied
-from m3patch.launch_plan import LaunchPlan, plan_launch, prepare_tree
+from m3patch.fsio import write_json_atomic
 from m3patch.markers import MarkerChecker
 from m3patch.output import warn
-from m3patch.recipe import Recipe
-from m3patch.supervisor import Supervisor
+from m3patch.recipe.loader import Recipe
+from m3patch.serving.launch_plan import LaunchPlan, plan_launch, prepare_tree
+from m3patch.serving.supervisor import Supervisor
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the ready reply
@@ -141,7 +141,4 @@ class ServeSession:
             "violation": None if self.supervisor.violation is None
             else self.supervisor.violation.where(str(self.log_path)),
         }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "serve.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(self.run_dir / "serve.json")
+        write_json_atomic(self.run_dir / "serve.json", summary)

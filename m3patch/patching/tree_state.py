@@ -16,16 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from m3patch.diffs import safe_target
 from m3patch.errors import TreeIOError, UsageError, VerifyFailed
-from m3patch.ledger import Ledger, digest, journal_path, read_ledger
-from m3patch.locate import VllmTree, compile_with
-from m3patch.series import Series
+from m3patch.patching.diffs import safe_target
+from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
+from m3patch.patching.locate import VllmTree, compile_with
+from m3patch.patching.series import Series
 
 if TYPE_CHECKING:
-    from m3patch import engine
-    from m3patch.diffs import PatchFile
-    from m3patch.series import PatchPin
+    from m3patch.patching import engine
+    from m3patch.patching.diffs import PatchFile
+    from m3patch.patching.series import PatchPin
 
 Contents = Mapping[str, bytes | None]
 
@@ -62,7 +62,7 @@ def pinned(series: Series) -> Pinned:
 def load_patches(series: Series, raw: Mapping[str, bytes] | None = None,
                  ) -> tuple[tuple[PatchFile, PatchPin], ...]:
     """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
-    from m3patch.diffs import parse_patch
+    from m3patch.patching.diffs import parse_patch
 
     raw = pinned(series).raw if raw is None else raw
     lock = series.require_lock()
@@ -108,7 +108,7 @@ class Loaded:
 def classify_all(tree: VllmTree, series: Series,
                  patches: tuple[tuple[PatchFile, PatchPin], ...],
                  contents: Contents | None = None) -> Loaded:
-    from m3patch import engine
+    from m3patch.patching import engine
 
     chains = engine.build_chains(patches)
     data = dict(contents) if contents is not None else read_files(tree, [c.path for c in chains])
@@ -203,7 +203,7 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
         ledger is not None and ledger.mode == "offset") else {}
     off = [p for p, h in pins.hashes.items() if currents[p] != offset.get(p, h[-1])]
     if off:  # only now parse the patches: the diagnosis needs per-hunk probes
-        from m3patch import engine
+        from m3patch.patching import engine
 
         loaded = classify_all(tree, series, load_patches(series, pins.raw), data)
         for path in off:
@@ -246,13 +246,13 @@ def _offset_applied(loaded: Loaded) -> dict[str, engine.FileStatus]:
 
 def tree_status(tree: VllmTree, series: Series) -> StatusReport:
     """Per patch and file state, hunk diagnosis, and which patches upstream already carries."""
-    from m3patch import engine, txn
+    from m3patch.patching import engine, writer
 
     pins = pinned(series)
     notes = []
     if journal_path(tree.root).exists():
-        with txn.tree_lock(tree.root):
-            recovered = txn.recover(tree.root)
+        with writer.tree_lock(tree.root):
+            recovered = writer.recover(tree.root)
         notes += [recovered] if recovered else []
     loaded = classify_all(tree, series, load_patches(series, pins.raw))
     statuses = _offset_applied(loaded)

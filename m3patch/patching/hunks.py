@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m3patch.diffs import Hunk
 from m3patch.errors import PatchConflict
+from m3patch.patching.diffs import Hunk
 
 PENDING, APPLIED, CONFLICT, AMBIGUOUS = "pending", "applied", "conflict", "ambiguous"
 

@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
-from m3patch.procs import group_members
+from m3patch.serving.processes import group_members
 
 POLL_S = 0.5
 TAIL_LINES = 15

@@ -43,7 +43,7 @@ def ledger_path(root: Path) -> Path:
 
 
 def journal_path(root: Path) -> Path:
-    """Present only while a transaction runs, or after one was killed (txn.recover)."""
+    """Present only while a transaction runs, or after one was killed (writer.recover)."""
     return state_dir(root) / "journal.json"
 
 

@@ -21,8 +21,8 @@ from m3patch.output import info
 from m3patch.tune import compile_pool
 from m3patch.tune.cache import ResultCache
 from m3patch.tune.kernel_source import KernelSource, load_kernel
+from m3patch.tune.kernel_timer import MoEBench
 from m3patch.tune.naming import default_config, table_file_name
-from m3patch.tune.runner import MoEBench
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
 from m3patch.tune.tile import launches_needed

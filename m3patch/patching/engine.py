@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from m3patch import hunks as hk
-from m3patch.diffs import FilePatch, Hunk, PatchFile, decode, encode, split_lines
 from m3patch.errors import PatchConflict
-from m3patch.ledger import Ledger, digest
-from m3patch.series import FilePin, PatchPin
+from m3patch.patching import hunks as hk
+from m3patch.patching.diffs import FilePatch, Hunk, PatchFile, decode, encode, split_lines
+from m3patch.patching.ledger import Ledger, digest
+from m3patch.patching.series import FilePin, PatchPin
 
 PRISTINE, APPLIED, PARTIAL, DRIFTED, UPSTREAM = (
     "pristine", "applied", "partially applied", "drifted", "upstreamed")

@@ -1,8 +1,8 @@
 """The API serve, bench and CI import. Every failure raises an M3PatchError subclass.
 
-    from m3patch.apply_api import apply_series, verify_tree, read_ledger
-    from m3patch.locate import find_vllm
-    from m3patch.series import load_series
+    from m3patch.patching.api import apply_series, verify_tree, read_ledger
+    from m3patch.patching.locate import find_vllm
+    from m3patch.patching.series import load_series
 
     tree = find_vllm(python=None, vllm_root=None)
     series = load_series(Path("patches/vllm-0.33.0"))
@@ -18,7 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from m3patch.checks import (
+from m3patch.errors import PatchConflict, TreeIOError, UsageError, VerifyFailed, VersionMismatch
+from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.patching.ledger import (
+    Ledger,
+    LedgerFile,
+    file_digest,
+    journal_path,
+    new_ledger,
+    read_ledger,
+    state_dir,
+)
+from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.series import Series
+from m3patch.patching.tree_state import (
     Contents,
     Loaded,
     Pinned,
@@ -32,22 +45,9 @@ from m3patch.checks import (
     tree_status,
     verify_tree,
 )
-from m3patch.diffs import check_rel_path, safe_target
-from m3patch.errors import PatchConflict, TreeIOError, UsageError, VerifyFailed, VersionMismatch
-from m3patch.ledger import (
-    Ledger,
-    LedgerFile,
-    file_digest,
-    journal_path,
-    new_ledger,
-    read_ledger,
-    state_dir,
-)
-from m3patch.locate import VllmTree, check_target
-from m3patch.series import Series
 
 if TYPE_CHECKING:
-    from m3patch import engine, txn
+    from m3patch.patching import engine, writer
 
 __all__ = ["ApplyReport", "StatusReport", "VerifyReport", "apply_series", "read_ledger",
            "revert_series", "tree_status", "verify_tree"]
@@ -106,7 +106,7 @@ def _selected(loaded: Loaded, only: Iterable[str] | None) -> tuple[engine.Chain,
 
 def _plan(loaded: Loaded, chains: Iterable[engine.Chain],
           statuses: dict[str, engine.FileStatus], mode: str) -> list[engine.FilePlan]:
-    from m3patch import engine
+    from m3patch.patching import engine
 
     plans, conflicts = [], []
     for chain in chains:
@@ -210,11 +210,14 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         done = _already_applied(tree, pins, dry_run, notes)
         if done is not None:
             return done
-    from m3patch import engine, txn  # here: the already-applied path needs neither
+    from m3patch.patching import (
+        engine,
+        writer,  # here: the already-applied path needs neither
+    )
 
     patches = load_patches(series, pins.raw)
-    with txn.tree_lock(tree.root):
-        recovered = None if dry_run else txn.recover(tree.root)
+    with writer.tree_lock(tree.root):
+        recovered = None if dry_run else writer.recover(tree.root)
         notes += [recovered] if recovered else []
         loaded = classify_all(tree, series, patches)
         chains = _selected(loaded, only)
@@ -227,12 +230,12 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
             if not plans:
                 notes.append("files already patched; the ledger was missing or stale: rewritten")
             by_path = {c.path: c for c in chains}
-            changes = [txn.Change(p.path, p.pre, p.post, p.data,
+            changes = [writer.Change(p.path, p.pre, p.post, p.data,
                                   engine.new_file_mode(by_path[p.path], "add") if p.pre is None else None,
                                   made.get(p.path, ())) for p in plans]
             for change in changes:
                 safe_target(tree.root, change.path)
-            txn.commit(tree.root, changes, ledger.to_bytes())
+            writer.commit(tree.root, changes, ledger.to_bytes())
     offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
                     for p in plans for pid, h in p.offsets if h.offset)
     order = [p.id for p in series.patches if p.id in wanted]
@@ -243,7 +246,7 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
 
 
 def revert_plans(loaded: Loaded) -> list[engine.FilePlan]:
-    from m3patch import engine
+    from m3patch.patching import engine
 
     plans, conflicts = engine.revert_plans(loaded.chains, loaded.statuses, loaded.contents,
                                            loaded.ledger)
@@ -254,32 +257,32 @@ def revert_plans(loaded: Loaded) -> list[engine.FilePlan]:
     return plans
 
 
-def _revert_change(loaded: Loaded, plan: engine.FilePlan) -> txn.Change:
+def _revert_change(loaded: Loaded, plan: engine.FilePlan) -> writer.Change:
     """A file the revert deletes takes the folders the apply made for it (from the ledger)."""
-    from m3patch import engine, txn
+    from m3patch.patching import engine, writer
 
     chain = next(c for c in loaded.chains if c.path == plan.path)
     recorded = {f.path: f.dirs for f in loaded.ledger.files} if loaded.ledger else {}
     drop = tuple(check_rel_path(d, "ledger.json dirs") for d in recorded.get(plan.path, ()))
-    return txn.Change(plan.path, plan.pre, plan.post, plan.data,
+    return writer.Change(plan.path, plan.pre, plan.post, plan.data,
                       engine.new_file_mode(chain, "delete") if plan.pre is None else None,
                       drop_dirs=drop if plan.post is None else ())
 
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
-    from m3patch import txn
+    from m3patch.patching import writer
 
     patches = load_patches(series)
-    with txn.tree_lock(tree.root):
-        notes = [n for n in [None if dry_run else txn.recover(tree.root)] if n]
+    with writer.tree_lock(tree.root):
+        notes = [n for n in [None if dry_run else writer.recover(tree.root)] if n]
         loaded = classify_all(tree, series, patches)
         plans = revert_plans(loaded)
         if not dry_run and (plans or loaded.ledger is not None):
             changes = [_revert_change(loaded, p) for p in plans]
             for change in changes:
                 safe_target(tree.root, change.path)
-            txn.commit(tree.root, changes, None)
+            writer.commit(tree.root, changes, None)
             _check_written(tree, plans)
     reverted = {s.patch_id for p in plans for c in loaded.chains if c.path == p.path
                 for s in c.steps}

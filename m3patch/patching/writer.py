@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import LockTimeout, TreeIOError
-from m3patch.ledger import file_digest, journal_path, ledger_path, state_dir
+from m3patch.fsio import DEFAULT_MODE, fsync_dir, replace_atomic, write_new
+from m3patch.patching.ledger import file_digest, journal_path, ledger_path, state_dir
 
 JOURNAL = "journal.json"
 DEFAULT_LOCK_TIMEOUT_S = 300.0
@@ -109,43 +110,10 @@ def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-DEFAULT_MODE = 0o644
-
-
-def write_new(path: Path, data: bytes, mode: int = DEFAULT_MODE) -> None:
-    """Create `path` as a new inode (never through an existing link), fsynced."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write_new(tmp, data)
-    tmp.replace(path)
-    _fsync_dir(path.parent)
-
-
 def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes | None) -> None:
     body = {"phase": phase, "entries": [asdict(e) for e in entries],
             "ledger": None if ledger is None else ledger.decode()}
-    atomic_write(journal_path(root), json.dumps(body, indent=1).encode())
+    replace_atomic(journal_path(root), json.dumps(body, indent=1).encode())
 
 
 def _keep_owner(stage: Path, target: Path) -> None:
@@ -195,12 +163,12 @@ def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Step
     dirs = {(root / e.path).parent for e in entries}
     for directory in dirs:
         if directory.exists():
-            _fsync_dir(directory)
+            fsync_dir(directory)
     if ledger is None:
         with contextlib.suppress(FileNotFoundError):
             ledger_path(root).unlink()
     else:
-        atomic_write(ledger_path(root), ledger)
+        replace_atomic(ledger_path(root), ledger)
     steps.done()
     for entry in entries:
         if entry.backup:
@@ -277,7 +245,7 @@ def _completable(root: Path, entry: Entry) -> bool:
 
 def recover(root: Path) -> str | None:
     """Finish or undo a transaction a killed run left behind; call it holding the lock."""
-    for leftover in state_dir(root).glob(".*.tmp*"):  # atomic_write temps of a killed run
+    for leftover in state_dir(root).glob(".*.tmp*"):  # replace_atomic temps of a killed run
         if leftover.name.rpartition(".tmp")[2].isdigit():
             leftover.unlink()
     path = journal_path(root)

@@ -15,10 +15,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from m3patch import recipe_sections as sec
 from m3patch.markers import MarkerSpec
-from m3patch.recipe_argv import flatten_vllm_args
-from m3patch.recipe_sections import Deadlines, ModelSpec, Parallelism, Target, expand
+from m3patch.recipe import sections as sec
+from m3patch.recipe.argv import flatten_vllm_args
+from m3patch.recipe.sections import Deadlines, ModelSpec, Parallelism, Target, expand
 from m3patch.schema import (
     SchemaError,
     at_key,

@@ -1,0 +1,127 @@
+"""The one way m3patch writes and reads back its own files.
+
+Every file m3patch writes (ledger, journal, lock, results, summaries, tables) is written as a new
+inode beside the target and renamed over it, so a reader never sees half a file and a crash leaves
+the old one. Every JSON file m3patch reads back is treated as hostile input: `read_json` turns
+"missing", "unreadable", "not UTF-8", "not JSON" and "wrong top-level type" into one typed error
+that names the file, so no caller ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from m3patch.errors import M3PatchError, TreeIOError
+
+DEFAULT_MODE = 0o644
+TEMP_MARK = ".tmp"  # temp names: .<name>.tmp<pid>; writer.recover sweeps a killed run's leftovers
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new(path: Path, data: bytes, mode: int = DEFAULT_MODE) -> None:
+    """Create `path` as a new inode (never through an existing link), fsynced. Raises OSError."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+
+
+def replace_atomic(path: Path, data: bytes, mode: int = DEFAULT_MODE) -> None:
+    """New file + rename + folder fsync; raises OSError and leaves no temp file behind."""
+    tmp = temp_path(path)
+    try:
+        write_new(tmp, data, mode)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, error: type[M3PatchError] = TreeIOError) -> None:
+    """`replace_atomic`, creating the folder; an OSError becomes one `error` naming the path."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomic(path, data)
+    except OSError as exc:
+        msg = f"cannot write {path}: {exc.strerror or exc}"
+        raise error(msg, hint=f"check that {path.parent} is writable and has free space") from None
+
+
+def json_bytes(data: object, *, indent: int = 2, sort_keys: bool = False) -> bytes:
+    """Strict JSON (NaN/Infinity refused) with a trailing newline."""
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys, allow_nan=False)
+    return (text + "\n").encode("utf-8")
+
+
+def write_json_atomic(path: Path, data: object, *, indent: int = 2, sort_keys: bool = False,
+                      error: type[M3PatchError] = TreeIOError) -> None:
+    write_bytes_atomic(path, json_bytes(data, indent=indent, sort_keys=sort_keys), error=error)
+
+
+def _reject_constant(name: str) -> Any:
+    msg = f"{name} is not a JSON number"
+    raise ValueError(msg)
+
+
+def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint: str,
+               expect: type = object) -> Any:
+    """JSON text that m3patch wrote, read back as untrusted: strict numbers, one typed error."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        msg = f"{where}: not UTF-8 text (byte {exc.start})"
+        raise error(msg, hint=hint) from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        msg = f"{where}: not JSON ({exc})"
+        raise error(msg, hint=hint) from None
+    if not isinstance(value, expect):
+        msg = f"{where}: expected a JSON {_kind(expect)}, got {type(value).__name__}"
+        raise error(msg, hint=hint)
+    return value
+
+
+def read_json(path: Path, *, error: type[M3PatchError], hint: str, expect: type = object,
+              missing_ok: bool = False) -> Any:
+    """Read and parse `path`; None for a missing file when `missing_ok`, else `error`."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        msg = f"{path}: missing"
+        raise error(msg, hint=hint) from None
+    except OSError as exc:
+        msg = f"{path}: cannot read ({exc.strerror or exc})"
+        raise error(msg, hint=hint) from None
+    return parse_json(data, str(path), error=error, hint=hint, expect=expect)
+
+
+def _kind(expect: type) -> str:
+    names: dict[type, str] = {dict: "object", list: "array", str: "string"}
+    return names.get(expect, expect.__name__)
