@@ -107,19 +107,16 @@ def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...
 
 
 def _apply_verify(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    from m3patch.patching.api import apply_series, verify_tree
-    from m3patch.patching.ledger import ledger_path
+    from m3patch.patching.api import ensure_series
     from m3patch.patching.locate import find_vllm
     from m3patch.patching.series import load_series
 
     recipe = state["recipe"]
-    series = load_series(recipe.series_dir)
     tree = find_vllm(python=recipe.target.python or sys.executable)
-    report = apply_series(tree, series)
-    verify_tree(tree, series).raise_for_failure()
+    ensured = ensure_series(tree, load_series(recipe.series_dir))
     copy = Path(state["run_dir"]) / "ledger.json"
-    write_bytes_atomic(copy, ledger_path(tree.root).read_bytes())
-    return report.summary().removeprefix("m3patch: "), (copy.name,)
+    write_bytes_atomic(copy, ensured.ledger_bytes)
+    return ensured.report.summary().removeprefix("m3patch: "), (copy.name,)
 
 
 def bench_argv(recipe: Path, run_dir: Path, *, resume: bool) -> list[str]:

@@ -23,8 +23,10 @@ from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import (
     Ledger,
     LedgerFile,
+    digest,
     file_digest,
     journal_path,
+    ledger_path,
     new_ledger,
     read_ledger,
     state_dir,
@@ -300,3 +302,35 @@ def _check_written(tree: VllmTree, plans: list[engine.FilePlan]) -> None:
         if got != plan.post:
             msg = f"{plan.path}: sha256 {got} after the write, expected {plan.post}"
             raise VerifyFailed(msg, hint="m3patch status; the disk or another writer interfered")
+
+
+@dataclass(frozen=True)
+class EnsuredTree:
+    """A tree that holds exactly the series, verified: what serve, bench and ci launch on."""
+
+    tree: VllmTree
+    series: Series
+    report: ApplyReport
+    verify: VerifyReport
+    ledger_bytes: bytes
+
+    @property
+    def ledger_sha256(self) -> str:
+        return digest(self.ledger_bytes)
+
+
+def ensure_series(tree: VllmTree, series: Series) -> EnsuredTree:
+    """Make `tree` exactly `series` (apply, idempotent), verify it, and read back its ledger.
+
+    The one entry point for "patched, verified, and which ledger": `apply --verify`, `serve`,
+    `bench` and `ci` all go through here, so they can never disagree on what counts as ready.
+    """
+    report = apply_series(tree, series)
+    verify = verify_tree(tree, series, contents=report.contents)
+    verify.raise_for_failure()
+    try:
+        ledger_bytes = ledger_path(tree.root).read_bytes()
+    except OSError as exc:
+        msg = f"{ledger_path(tree.root)}: cannot read the ledger apply just wrote ({exc.strerror})"
+        raise TreeIOError(msg, hint="m3patch status; then m3patch apply --verify") from None
+    return EnsuredTree(tree, series, report, verify, ledger_bytes)

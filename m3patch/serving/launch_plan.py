@@ -95,15 +95,11 @@ def check_model(recipe: Recipe) -> None:
 def prepare_tree(recipe: Recipe, python: str) -> str:
     """Apply and verify the series on the tree `python` imports; the ledger's sha256 hex."""
     from m3patch.output import info
-    from m3patch.patching.api import apply_series, verify_tree
-    from m3patch.patching.ledger import digest, ledger_path
+    from m3patch.patching.api import ensure_series
     from m3patch.patching.locate import find_vllm
     from m3patch.patching.series import load_series
 
     check_model(recipe)
-    series = load_series(recipe.series_dir)
-    tree = find_vllm(python=python)
-    report = apply_series(tree, series)
-    verify_tree(tree, series).raise_for_failure()
-    info(report.summary().removeprefix("m3patch: "))
-    return digest(ledger_path(tree.root).read_bytes())
+    ensured = ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
+    info(ensured.report.summary().removeprefix("m3patch: "))
+    return ensured.ledger_sha256
