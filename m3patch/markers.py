@@ -1,10 +1,12 @@
-"""Backend markers on server-log lines: pure matching, counting and the verdict.
+"""Backend markers on server-log lines: the one marker type, matching, counting and the verdict.
 
 A marker is a substring (or `regex:PATTERN`) searched in each log line. Required markers must
 have appeared by readiness (exactly `count` times where one is given); a forbidden marker fails
-the run whenever it appears. `MarkerChecker` is fed raw chunks of the server's output as they
-arrive, so a line split across two writes (or a UTF-8 character split across two reads) is
-matched once it is whole. No I/O here: the supervisor feeds it, `markers check` feeds a file.
+the run whenever it appears. `MarkerSpec` is the shared vocabulary: the series manifest loader
+and the recipe loader both build it, serving and `markers check` consume it. `MarkerChecker` is
+fed raw chunks of the server's output as they arrive, so a line split across two writes (or a
+UTF-8 character split across two reads) is matched once it is whole. No I/O here: the supervisor
+feeds it, `markers check` feeds a file.
 """
 
 from __future__ import annotations
@@ -12,30 +14,42 @@ from __future__ import annotations
 import codecs
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from m3patch.errors import MarkerForbidden, MarkerMissing, UsageError
 from m3patch.schema import suggest
 
 MarkerKind = Literal["required", "forbidden"]
+MARKER_KINDS: tuple[MarkerKind, ...] = ("required", "forbidden")
 REGEX_PREFIX = "regex:"
 SHOWN_LINE_CHARS = 300
 
 
 @dataclass(frozen=True)
 class MarkerSpec:
-    """One marker, with who declared it (a patch of a series, or a recipe) for the message."""
+    """One marker, with who declared it (a patch of a series, or a recipe) for the message.
+
+    `text` is a substring, or `regex:PATTERN`. `platforms` narrows a series marker to the
+    platforms it applies to (empty: every platform); recipe markers are for their own platform.
+    """
 
     id: str
     kind: MarkerKind
     text: str
     declared_by: str
     count: int | None = None
+    platforms: tuple[str, ...] = ()
+
+    @property
+    def regex(self) -> str | None:
+        """The pattern of a `regex:` marker; None for a plain substring."""
+        return self.text[len(REGEX_PREFIX):] if self.text.startswith(REGEX_PREFIX) else None
 
     def matches(self, line: str) -> bool:
-        if self.text.startswith(REGEX_PREFIX):
-            return re.search(self.text[len(REGEX_PREFIX):], line) is not None
+        pattern = self.regex
+        if pattern is not None:
+            return re.search(pattern, line) is not None
         return self.text in line
 
     def describe(self) -> str:
@@ -123,6 +137,25 @@ class MarkerChecker:
             raise missing_error(missing, self.log_name, hint=hint)
 
 
+def as_kind(value: str) -> MarkerKind:
+    """A validated kind string as the `MarkerKind` literal (loaders check the choice first)."""
+    for kind in MARKER_KINDS:
+        if value == kind:
+            return kind
+    msg = f"unknown marker kind {value!r}"
+    raise ValueError(msg)
+
+
+def regex_text(pattern: str) -> str:
+    """The `text` of a regex marker; an invalid pattern is a ValueError naming it."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        msg = f"invalid regex {pattern!r}: {exc}"
+        raise ValueError(msg) from None
+    return REGEX_PREFIX + pattern
+
+
 def forbidden_error(hit: MarkerHit, log_name: str, *, hint: str) -> MarkerForbidden:
     msg = f"{hit.marker.describe()} appeared at {hit.where(log_name)}"
     return MarkerForbidden(msg, hint=hint)
@@ -177,8 +210,5 @@ def merge_markers(
         if marker_id.startswith("provenance"):
             msg = f"markers.waive: {marker_id!r} proves the server runs the patched tree"
             raise UsageError(msg, hint=f"remove {marker_id!r} from markers.waive")
-    merged = [
-        MarkerSpec(s.id, s.kind, s.text, s.declared_by, counts.get(s.id, s.count))
-        for s in series if s.id not in waivers
-    ]
+    merged = [replace(s, count=counts.get(s.id, s.count)) for s in series if s.id not in waivers]
     return (*merged, *recipe)

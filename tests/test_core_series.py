@@ -31,7 +31,9 @@ def test_load_and_markers_for(test_series: Path) -> None:
     assert cuda == {"test-added-file", "test-no-emulation"}  # the marker's own platform gate
     assert rocm == {"test-added-file"}  # logger-marks is gated to cpu, cuda
     regex = next(m for m in series.markers_for("cpu") if m.id == "test-logger-mark")
-    assert regex.regex is not None and regex.text is None and regex.patch_id == "logger-marks"
+    assert regex.regex == "m3patch\\[test-series\\]: logger patched( twice)?$"
+    assert regex.text == "regex:" + regex.regex
+    assert regex.declared_by == f"patch logger-marks in {test_series / 'series.yaml'}"
 
 
 def test_unknown_key_has_breadcrumb_and_suggestion(test_series: Path, tmp_path: Path) -> None:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from m3patch.errors import MarkerForbidden, MarkerMissing, UsageError
 from m3patch.markers import MarkerChecker, MarkerSpec, check_log_bytes, merge_markers
+from m3patch.patching.series import load_series
+from m3patch.recipe.loader import load_recipe
+from m3patch.serving.launch_plan import series_markers
+
+REPO = Path(__file__).resolve().parents[1]
 
 MOE = "(Worker pid=7) INFO 11-29 10:02:16 [unquantized.py:529] Using CPUUnquantizedExperts MoE backend"
 PROV = "(APIServer pid=5) INFO [m3patch_provenance.py:50] m3patch[provenance]: series=vllm-0.32.0 patches=provenance ledger=sha256:ab"
@@ -79,3 +86,15 @@ def test_recipe_counts_apply_by_id_and_recipes_only_add() -> None:
     assert [(m.id, m.count) for m in merged] == [("provenance", None), ("layer", 58), ("layer", None)]
     with pytest.raises(UsageError, match="no patch or recipe declares"):
         merge_markers(series, recipe, {"layr": 3})
+
+
+def test_the_series_loader_builds_the_one_marker_type() -> None:
+    recipe = load_recipe(REPO / "recipes" / "mi300x_tp8.yaml")
+    series = load_series(recipe.series_dir)
+    from_series = series_markers(recipe)
+    assert from_series == series.markers_for("rocm-gfx942")  # no conversion between two shapes
+    assert all(isinstance(m, MarkerSpec) for m in from_series)
+    layer = next(m for m in from_series if m.id == "block-fp8-layer")
+    assert layer.kind == "required" and layer.platforms == ("rocm-gfx942",)
+    assert layer.declared_by == f"patch block-fp8-moe in {recipe.series_dir / 'series.yaml'}"
+    assert layer.matches("x m3patch[mxfp8->block_fp8]: model.layers.0.mlp.experts: ...")

@@ -77,8 +77,7 @@ def _show(args: argparse.Namespace) -> int:
         say(f"{index:3}. {patch.id} ({patch.file}; {gate}): {patch.summary}")
         say(f"     drop when: {patch.drop_when}")
         for marker in patch.markers:
-            text = marker.text if marker.text is not None else f"regex:{marker.regex}"
-            say(f"     {marker.kind} marker {marker.id}: {text!r}")
+            say(f"     {marker.kind} marker {marker.id}: {marker.text!r}")
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from m3patch import schema
 from m3patch.errors import UsageError
+from m3patch.markers import MARKER_KINDS, MarkerSpec, as_kind, regex_text
 from m3patch.yamlio import load_yaml_file
 
 PLATFORMS = ("cpu", "cuda", "rocm-gfx942", "rocm-gfx950")
@@ -21,16 +22,6 @@ MANIFEST = "series.yaml"
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-
-
-@dataclass(frozen=True)
-class MarkerSpec:
-    id: str
-    kind: str  # 'required' | 'forbidden'
-    text: str | None
-    regex: str | None
-    patch_id: str
-    platforms: tuple[str, ...]  # empty = every platform
 
 
 @dataclass(frozen=True)
@@ -112,33 +103,30 @@ def _platforms(value: object) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _marker(raw: object, patch_id: str, default_platforms: tuple[str, ...]) -> MarkerSpec:
+def _marker(raw: object, declared_by: str, default_platforms: tuple[str, ...]) -> MarkerSpec:
     data = schema.expect_mapping(raw)
     schema.check_keys(data, required=("id", "kind"), optional=("text", "regex", "platforms"))
     with schema.at_key("id"):
         marker_id = _ident(data["id"])
     with schema.at_key("kind"):
-        kind = schema.expect_choice(data["kind"], ("required", "forbidden"))
+        kind = as_kind(schema.expect_choice(data["kind"], MARKER_KINDS))
     if ("text" in data) == ("regex" in data):
         msg = "give exactly one of 'text' or 'regex'"
         raise schema.SchemaError(msg)
-    text = regex = None
     if "text" in data:
         with schema.at_key("text"):
             text = schema.expect_str(data["text"])
     else:
         with schema.at_key("regex"):
-            regex = schema.expect_str(data["regex"])
             try:
-                re.compile(regex)
-            except re.error as exc:
-                msg = f"invalid regex {regex!r}: {exc}"
-                raise schema.SchemaError(msg) from None
+                text = regex_text(schema.expect_str(data["regex"]))
+            except ValueError as exc:
+                raise schema.SchemaError(str(exc)) from None
     platforms = default_platforms
     if "platforms" in data:
         with schema.at_key("platforms"):
             platforms = _platforms(data["platforms"])
-    return MarkerSpec(marker_id, kind, text, regex, patch_id, platforms)
+    return MarkerSpec(marker_id, kind, text, declared_by, platforms=platforms)
 
 
 _PATCH_KEYS = ("id", "file", "summary", "why", "upstream", "drop-when")
@@ -171,7 +159,8 @@ def _patch(raw: object, directory: Path) -> PatchEntry:
     with schema.at_key("markers"):
         for index, item in enumerate(schema.expect_list(data.get("markers", []))):
             with schema.at_key(index):
-                markers.append(_marker(item, patch_id, platforms))
+                markers.append(_marker(item, f"patch {patch_id} in {directory / MANIFEST}",
+                                       platforms))
     return PatchEntry(patch_id, values["file"], values["summary"], values["why"], upstream,
                       values["drop-when"], platforms, tuple(markers))
 

@@ -42,13 +42,7 @@ def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
         msg = (f"{recipe.path}: target.vllm-version {recipe.target.vllm_version} but series "
                f"{series.id} targets {series.target_version}")
         raise UsageError(msg, hint=f"point `series:` at patches/vllm-{recipe.target.vllm_version}")
-    manifest = recipe.series_dir / "series.yaml"
-    return tuple(
-        mk.MarkerSpec(m.id, "required" if m.kind == "required" else "forbidden",
-                      m.text if m.text is not None else mk.REGEX_PREFIX + (m.regex or ""),
-                      f"patch {m.patch_id} in {manifest}")
-        for m in series.markers_for(recipe.target.platform)
-    )
+    return series.markers_for(recipe.target.platform)
 
 
 def all_markers(recipe: Recipe, ledger_sha256: str | None) -> tuple[mk.MarkerSpec, ...]:
