@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
+from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand, sweep_cells
 from m3patch.bench.client import BenchTarget, bench_argv
 from m3patch.errors import UsageError
 
@@ -43,6 +43,18 @@ def test_only_plain_tp_is_a_latency_shape() -> None:
     assert Parallelism(tp=8).is_tp_only
     assert not Parallelism(tp=8, ep=8).is_tp_only
     assert not Parallelism(tp=8, dp_attention=True).is_tp_only
+
+
+def test_a_split_tp_only_shape_gets_one_latency_point() -> None:
+    rows = ((32, 16, (1, 2)), (32, 16, (4, 8)), (64, 16, (4,)), (64, 16, (8,)))
+    cells = sweep_cells(rows, Parallelism(tp=2), 0.0)
+    assert [(c.seq.isl, c.concurrency) for c in cells] == [
+        (32, 1), (32, 2), (32, 4), (32, 8), (64, 1), (64, 4), (64, 8)]
+
+
+def test_a_repeated_cell_is_refused() -> None:
+    with pytest.raises(UsageError, match="cell isl32-osl16-tp8-pp1-ep8-dp1-c4 appears twice"):
+        sweep_cells(((32, 16, (2, 4)), (32, 16, (4, 8))), Parallelism(tp=8, ep=8), 0.0)
 
 
 @pytest.mark.parametrize(("concs", "ratio", "needle"), [

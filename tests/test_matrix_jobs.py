@@ -7,18 +7,21 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from m3patch.bench.cells import Parallelism
+from m3patch.bench.cells import Parallelism, sweep_cells
 from m3patch.bench.matrix import GITHUB_MATRIX_LIMIT, MatrixRecipe, build_matrix
+from m3patch.bench.runner import select_cells
 from m3patch.errors import UsageError
 from m3patch.main import main
-from m3patch.recipe.loader import doubling
+from m3patch.recipe.loader import doubling, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _recipe(par: Parallelism, rows: tuple[tuple[int, int, tuple[int, ...]], ...]) -> MatrixRecipe:
-    return MatrixRecipe("recipes/x.yaml", "x", "rocm-gfx942", "img:1", "org/model", par, rows, 0.8)
+    return MatrixRecipe("recipes/x.yaml", "x", "rocm-gfx942", "img:1", "org/model", par,
+                        sweep_cells(rows, par, 0.8))
 
 
 def test_doubling_clamps_the_last_step_to_the_end() -> None:
@@ -83,3 +86,39 @@ def test_cli_names_the_recipe_of_a_bad_sweep(
     # The recipe loader refuses it first, with the breadcrumb to the key.
     assert f"File {bad}" in err and "At key: range-ratio" in err
     assert "range-ratio must be in [0, 1), got 1.0" in err
+
+
+def _matrix_cell_ids(recipe: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert main(["matrix", str(recipe)]) == 0
+    return [job["cell-id"] for job in json.loads(capsys.readouterr().out)["include"]]
+
+
+def _late_start_variant(tmp_path: Path, name: str, parallelism: dict[str, object]) -> Path:
+    """The CPU recipe with a sweep that starts above concurrency 1."""
+    data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    data["parallelism"] = parallelism
+    data["sweep"]["rows"] = [{"isl": 32, "osl": 16, "concurrency": [2, 4]},
+                             {"isl": 64, "osl": 16, "conc-start": 4, "conc-end": 8}]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_bench_only_accepts_every_cell_the_matrix_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`matrix` and `bench --only` share one cell function: no job the bench would refuse."""
+    late_tp = _late_start_variant(tmp_path, "late_tp", {"tp": 1})
+    late_ep = _late_start_variant(tmp_path, "late_ep", {"tp": 2, "ep": 2})
+    for path in [*sorted((REPO / "recipes").glob("*.yaml")), late_tp, late_ep]:
+        ids = _matrix_cell_ids(path, capsys)
+        recipe = load_recipe(path)
+        for cell_id in ids:  # what each CI job runs: m3patch bench RECIPE --only CELL
+            assert [c.cell_id for c in select_cells(recipe, [cell_id])] == [cell_id], path
+        assert [c.cell_id for c in select_cells(recipe, ())] == ids, path  # and nothing else
+    # The TP-only sweep that starts at 2 (or 4) gets its latency point in both; EP does not.
+    assert [i.rsplit("-", 1)[1] for i in _matrix_cell_ids(late_tp, capsys)] == [
+        "c1", "c2", "c4", "c1", "c4", "c8"]
+    assert [i.rsplit("-", 1)[1] for i in _matrix_cell_ids(late_ep, capsys)] == [
+        "c2", "c4", "c4", "c8"]

@@ -2,6 +2,9 @@
 
 A cell is one (isl/osl, parallelism, concurrency) point. Its load follows InferenceX's fixed-seq
 convention (benchmark_lib.sh): prompts = 10 x concurrency, warm-ups = 2 x concurrency.
+`sweep_cells` is the one rule set that turns a recipe's sweep rows into cells: `m3patch bench`
+(and its `--only` selection) and `m3patch matrix` both call it, so every cell id the matrix
+emits is one the bench runs.
 
 GPU count: tp x pp x dp, where dp is vLLM's --data-parallel-size (engine replicas, each with
 tp x pp GPUs). Expert parallelism reuses those GPUs and adds none. With dp-attention the recipe
@@ -134,3 +137,41 @@ def expand(
         for seq in seq_lens
         for conc in concs
     )
+
+
+SweepRowValues = tuple[int, int, tuple[int, ...]]  # (isl, osl, concurrencies) of one sweep row
+
+
+def with_latency_point(par: Parallelism, rows: Sequence[SweepRowValues]) -> list[SweepRowValues]:
+    """TP-only rows are latency rows (InferenceX generate_sweep_configs.py, "capturing the
+    single-request latency point"): an isl/osl shape none of whose rows runs concurrency 1 gets
+    it added in front of its first row. Other parallelisms run what the rows say."""
+    covered = {(isl, osl) for isl, osl, concs in rows if 1 in concs}
+    out = []
+    for isl, osl, concs in rows:
+        if par.is_tp_only and (isl, osl) not in covered:
+            concs = (1, *concs)
+            covered.add((isl, osl))
+        out.append((isl, osl, concs))
+    return out
+
+
+def sweep_cells(
+    rows: Sequence[SweepRowValues],
+    parallelism: Parallelism,
+    range_ratio: float,
+    prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY,
+    warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY,
+) -> tuple[Cell, ...]:
+    """Every cell of a sweep, in run order, latency points added, each cell id once."""
+    cells: list[Cell] = []
+    for isl, osl, concs in with_latency_point(parallelism, rows):
+        cells += expand([SeqLen(isl, osl)], concs, parallelism, range_ratio,
+                        prompts_per_concurrency, warmups_per_concurrency)
+    seen: set[str] = set()
+    for cell in cells:
+        if cell.cell_id in seen:
+            msg = f"cell {cell.cell_id} appears twice"
+            raise UsageError(msg, hint="merge the sweep rows that repeat this isl/osl/concurrency")
+        seen.add(cell.cell_id)
+    return tuple(cells)

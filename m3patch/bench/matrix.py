@@ -3,9 +3,11 @@
 Conventions from InferenceX's generate_sweep_configs.py (anchors.md part 2 §3.2-3.3):
 - concurrency doubles from conc-start with the last step clamped to conc-end (the recipe loader
   expands it; 1..6 gives 1, 2, 4, 6);
-- TP-only rows are latency rows and start at concurrency 1 (#1760: "capturing the
-  single-request latency point"); a TP-only row that starts higher gets 1 added;
+- TP-only rows are latency rows and start at concurrency 1 (cells.sweep_cells adds it, for the
+  bench as for the matrix);
 - max-model-len = isl + osl + 256.
+The cells come from cells.sweep_cells (through spec.recipe_cells): the very cells
+`m3patch bench RECIPE --only CELL` selects from.
 One job per cell by default (InferenceX's shape; each runs `m3patch bench RECIPE --only CELL`),
 or one job per recipe with `per="recipe"`.
 """
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
+from m3patch.bench.cells import Cell, Parallelism, SeqLen
 from m3patch.errors import UsageError
 
 GITHUB_MATRIX_LIMIT = 256  # GitHub refuses a matrix with more jobs than this
@@ -32,22 +34,7 @@ class MatrixRecipe:
     image: str | None
     model: str
     parallelism: Parallelism
-    rows: tuple[tuple[int, int, tuple[int, ...]], ...]  # (isl, osl, concurrencies)
-    range_ratio: float
-
-
-def latency_concurrencies(par: Parallelism, concs: tuple[int, ...]) -> tuple[int, ...]:
-    if par.is_tp_only and concs and concs[0] > 1:
-        return (1, *concs)
-    return concs
-
-
-def recipe_cells(recipe: MatrixRecipe) -> tuple[Cell, ...]:
-    cells: list[Cell] = []
-    for isl, osl, concs in recipe.rows:
-        wanted = latency_concurrencies(recipe.parallelism, concs)
-        cells += expand([SeqLen(isl, osl)], wanted, recipe.parallelism, recipe.range_ratio)
-    return tuple(cells)
+    cells: tuple[Cell, ...]  # from cells.sweep_cells, in run order
 
 
 def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
@@ -82,7 +69,7 @@ def recipe_job(recipe: MatrixRecipe, cells: Sequence[Cell]) -> dict[str, Any]:
 def build_matrix(recipes: Sequence[MatrixRecipe], per: str = "cell") -> dict[str, Any]:
     jobs: list[dict[str, Any]] = []
     for recipe in recipes:
-        cells = recipe_cells(recipe)
+        cells = recipe.cells
         jobs += [cell_job(recipe, c) for c in cells] if per == "cell" else [recipe_job(recipe, cells)]
     if len(jobs) > GITHUB_MATRIX_LIMIT:
         msg = f"the matrix has {len(jobs)} jobs; GitHub Actions accepts at most {GITHUB_MATRIX_LIMIT}"

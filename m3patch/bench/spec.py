@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from m3patch.bench.cells import Cell, Parallelism, SeqLen, expand
+from m3patch.bench.cells import Cell, Parallelism, sweep_cells
 from m3patch.bench.matrix import MatrixRecipe
 from m3patch.errors import UsageError
 from m3patch.recipe.loader import Recipe
@@ -41,19 +41,12 @@ def in_recipe(recipe: Recipe) -> Iterator[None]:
 
 
 def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
-    sweep, par = recipe.sweep, parallelism_of(recipe)
-    cells: list[Cell] = []
+    """The recipe's sweep cells: what `bench` runs, `bench --only` selects from, `matrix` emits."""
+    sweep = recipe.sweep
+    rows = [(row.isl, row.osl, row.concurrencies) for row in sweep.rows]
     with in_recipe(recipe):
-        for row in sweep.rows:
-            cells += expand([SeqLen(row.isl, row.osl)], row.concurrencies, par, sweep.range_ratio,
-                            sweep.prompts_per_concurrency, sweep.warmups_per_concurrency)
-    seen: set[str] = set()
-    for cell in cells:
-        if cell.cell_id in seen:
-            msg = f"{recipe.path}: sweep cell {cell.cell_id} appears twice"
-            raise UsageError(msg, hint="merge the sweep rows that repeat this isl/osl/concurrency")
-        seen.add(cell.cell_id)
-    return tuple(cells)
+        return sweep_cells(rows, parallelism_of(recipe), sweep.range_ratio,
+                           sweep.prompts_per_concurrency, sweep.warmups_per_concurrency)
 
 
 def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
@@ -63,11 +56,10 @@ def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
 
 
 def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
-    rows = tuple((r.isl, r.osl, r.concurrencies) for r in recipe.sweep.rows)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
         image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
-        rows=rows, range_ratio=recipe.sweep.range_ratio,
+        cells=recipe_cells(recipe),
     )  # fmt: skip
 
 

@@ -22,17 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.bench.matrix import build_matrix, recipe_cells
-    from m3patch.bench.spec import in_recipe, matrix_recipe
+    from m3patch.bench.matrix import build_matrix
+    from m3patch.bench.spec import matrix_recipe
     from m3patch.recipe.loader import load_recipe
 
-    recipes = []
-    for path in args.recipes:
-        recipe = load_recipe(path)
-        entry = matrix_recipe(recipe, str(path))
-        with in_recipe(recipe):
-            recipe_cells(entry)  # checks the sweep here, where the recipe can be named
-        recipes.append(entry)
+    # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
+    # from, and names the recipe in a sweep error.
+    recipes = [matrix_recipe(load_recipe(path), str(path)) for path in args.recipes]
     matrix = build_matrix(recipes, per=args.per)
     sys.stdout.write(json.dumps(matrix, indent=args.indent) + "\n")
     return 0
