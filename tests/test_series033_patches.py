@@ -72,7 +72,7 @@ def test_manifest_declares_the_block_fp8_markers() -> None:
     assert gfx942["block-fp8-layer"].kind == "required"
     assert gfx942["block-fp8-selfcheck"].kind == "required"
     forbidden = {m.text for m in gfx942.values() if m.kind == "forbidden"}
-    assert {"Using 'EMULATION' MxFp8 MoE backend.", "Mxfp8EmulationTritonExperts",
+    assert {"Using 'EMULATION' MxFp8 MoE backend", "Mxfp8EmulationTritonExperts",
             "MXFP8->BF16 load-time dequant complete"} <= forbidden
     # the self-check line must not be counted as a per-layer line (58 = 57 + MTP)
     layer_text = gfx942["block-fp8-layer"].text
