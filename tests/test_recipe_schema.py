@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from m3patch.bench.client import CELL_DEADLINE_HINT
 from m3patch.recipe.argv import flatten_vllm_args
 from m3patch.recipe.loader import doubling, load_recipe
 from m3patch.schema import SchemaError
@@ -135,3 +137,24 @@ def test_sampled_lengths_must_fit_max_model_len(tmp_path: Path, ratio: float, ok
     with pytest.raises(SchemaError) as info:
         load_recipe(path)
     assert "sweep" in info.value.trail[1] and "range-ratio" in str(info.value)
+
+
+def test_every_recipe_lets_vllm_wait_as_long_as_its_ready_deadline(pristine_033: Path) -> None:
+    """m3patch waits ready-s for /health, but vLLM gives up on its engine after
+    VLLM_ENGINE_READY_TIMEOUT_S (default read from the real 0.33.0 envs.py): a recipe whose
+    ready-s is longer must raise vLLM's wait itself, not rely on an image to set it."""
+    envs = (pristine_033 / "vllm" / "envs.py").read_text()
+    default = re.search(r'"VLLM_ENGINE_READY_TIMEOUT_S", "(\d+)"', envs)
+    assert default is not None
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        vllm_wait = float(dict(recipe.env).get("VLLM_ENGINE_READY_TIMEOUT_S", default.group(1)))
+        assert vllm_wait >= recipe.deadlines.ready_s, path.name
+
+
+def test_the_cell_deadline_hint_names_a_key_the_schema_accepts(tmp_path: Path) -> None:
+    keys = re.findall(r"deadlines\.([a-z-]+)", CELL_DEADLINE_HINT)
+    assert keys == ["request-s"]
+    for key in keys:
+        recipe = load_recipe(variant(tmp_path, {"deadlines": {key: 777}}))
+        assert recipe.deadlines.request_s == 777

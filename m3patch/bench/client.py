@@ -25,6 +25,9 @@ PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,90,99"
 CLIENT_LOG_TAIL_LINES = 15
 
+# A cell's deadline is the client's start-up plus deadlines.request-s per wave of requests.
+CELL_DEADLINE_HINT = "raise the recipe's deadlines.request-s, or lower its concurrency"
+
 # Loopback only, no telemetry: the same environment the server runs with (vllm-cpu.md §3).
 
 
@@ -115,7 +118,7 @@ def _wait(
         check_server()
         if time.monotonic() > deadline:
             msg = f"cell {cell_id}: vllm bench serve still running after its {deadline_s:g} s deadline"
-            raise BenchFailed(msg, hint="raise the recipe's deadlines.cell, or lower its concurrency")
+            raise BenchFailed(msg, hint=CELL_DEADLINE_HINT)
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
