@@ -37,16 +37,37 @@ def warn(message: str) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    """Print a table to stdout (plain text when stdout is not a terminal)."""
+    """Print a table to stdout: rich's boxed table on a terminal, plain text otherwise.
+
+    Pipes, files and CI logs get `plain_table`: no box drawing, no cell cut or wrapped, so the
+    output can be grepped and its values copied as they are.
+    """
+    cells = [[str(cell) for cell in row] for row in rows]
+    if not sys.stdout.isatty():
+        sys.stdout.write(plain_table(title, columns, cells))
+        sys.stdout.flush()
+        return
     from rich.markup import escape
     from rich.table import Table
 
     tab = Table(title=escape(title), show_lines=False)
     for col in columns:
         tab.add_column(col)
-    for row in rows:  # escaped: log text such as "m3patch[provenance]" is not rich markup
-        tab.add_row(*(escape(str(cell)) for cell in row))
+    for row in cells:  # escaped: log text such as "m3patch[provenance]" is not rich markup
+        tab.add_row(*(escape(cell) for cell in row))
     stdout_console().print(tab)
+
+
+def plain_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
+    """Title, header, a dashed rule and the rows, columns padded to their widest value."""
+    widths = [max(len(value) for value in column) for column in zip(columns, *rows, strict=True)]
+
+    def line(values: list[str]) -> str:  # the last value is not padded: no trailing blanks added
+        padded = [value.ljust(width) for value, width in zip(values[:-1], widths, strict=False)]
+        return "  ".join([*padded, values[-1]]) if values else ""
+
+    body = [line(columns), line(["-" * width for width in widths]), *(line(r) for r in rows)]
+    return "\n".join([title, *body]) + "\n"
 
 
 @contextmanager

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
+import struct
 import subprocess
+import sys
+import termios
 from collections.abc import Callable
 from pathlib import Path
+
+from m3patch.recipe.loader import load_recipe
+from m3patch.serving.launch_plan import all_markers
 
 REPO = Path(__file__).resolve().parents[1]
 Cli = Callable[..., subprocess.CompletedProcess[str]]
@@ -62,3 +71,55 @@ def test_markers_check_exit_codes_on_a_saved_log(m3patch_cli: Cli, tmp_path: Pat
     forbidden = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml")
     assert forbidden.returncode == 13
     assert f"{log}:4: ERROR EngineCore failed: EngineDeadError" in forbidden.stderr
+
+
+BOX = set("│┃━─┏┓┗┛┡┩└┘┌┐╇┳┻╋")
+
+
+def _on_an_80_column_terminal(*args: str) -> str:
+    """Run the CLI with stdout on a real pseudo-terminal 80 columns wide; return what it drew."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "m3patch", *args], stdout=terminal,
+                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_show_keeps_every_marker_text_whole_at_80_columns() -> None:
+    recipe = REPO / "recipes" / "h200_tp8_block_fp8.yaml"
+    drawn = _on_an_80_column_terminal("recipe", "show", str(recipe))
+    assert BOX & set(drawn), "stdout is a terminal here: the sweep is a boxed table"
+    lines = drawn.splitlines()
+    specs = all_markers(load_recipe(recipe), None)
+    assert max(len(m.text) for m in specs) > 80  # the tuned-table path is wider than the screen
+    for spec in specs:
+        assert f"    {spec.text!r}" in lines, spec.id  # whole, on its own line, ready to copy
+
+
+def test_tables_to_a_pipe_are_plain_text(m3patch_cli: Cli, tmp_path: Path) -> None:
+    show = m3patch_cli("recipe", "show", "recipes/mi355x_tp4.yaml")
+    assert show.returncode == 0, show.stderr
+    assert not BOX & set(show.stdout)
+    waiver = next(line for line in show.stdout.splitlines() if line.startswith("packed-e8m0 "))
+    assert waiver.endswith("recipes/mi355x_tp4_native.yaml gates the packed path")  # not cut
+    log = tmp_path / "server.log"
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\n")
+    check = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml")
+    assert check.returncode == 0, check.stderr
+    assert not BOX & set(check.stdout)
+    rows = [line.split() for line in check.stdout.splitlines()]
+    assert ["cpu-moe-backend", "required", "Using", "CPUUnquantizedExperts", "MoE", "backend", "1", "1",
+            "recipe", "recipes/cpu_tiny_moe.yaml"] in rows

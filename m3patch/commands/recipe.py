@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from m3patch.errors import M3PatchError
+
+if TYPE_CHECKING:
+    from m3patch.bench.cells import Cell
+    from m3patch.markers import MarkerSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +44,7 @@ def _validate(files: list[Path]) -> int:
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
     """Print what `serve` would run; shared with `serve --dry-run`."""
+    from m3patch.bench.spec import recipe_cells
     from m3patch.output import table
     from m3patch.recipe.loader import load_recipe
     from m3patch.serving.launch_plan import plan_launch
@@ -50,17 +57,31 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
     print("  " + shlex.join(plan.spec.argv))
-    rows = [[m.id, m.kind, m.text, m.count if m.count is not None else "any", m.declared_by]
-            for m in plan.markers]
-    table("markers (required by readiness; forbidden at any time)",
-          ["id", "kind", "text", "count", "declared by"], rows)
+    print("\n".join(marker_lines(plan.markers)))
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
-    sweep = [[r.isl, r.osl, ",".join(map(str, r.concurrencies))] for r in recipe.sweep.rows]
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
-          ["isl", "osl", "concurrency"], sweep)
+          ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+
+
+def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
+    """One line per marker, then its text whole on a line of its own (quoted, so a trailing
+    blank shows): texts are copied into recipes and greps, so no table column may cut them."""
+    out = ["markers (required by readiness; forbidden at any time):"]
+    for m in markers:
+        count = "any count" if m.count is None else f"count {m.count}"
+        out += [f"  {m.kind:<9} {m.id} ({count}; declared by {m.declared_by})", f"    {m.text!r}"]
+    return out
+
+
+def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:
+    """isl, osl and the concurrencies the bench runs for each shape (latency points included)."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for cell in cells:
+        shapes.setdefault((cell.seq.isl, cell.seq.osl), []).append(str(cell.concurrency))
+    return [[isl, osl, ",".join(concs)] for (isl, osl), concs in shapes.items()]
 
 
 def run(args: argparse.Namespace) -> int:
