@@ -180,7 +180,7 @@ def test_recipe_values_reach_vllm_as_single_argv_elements(tmp_path: Path, value:
     plan = plan_launch(recipe, "/usr/bin/python3", 8000, tmp_path / "server.log", None)
     argv = list(plan.spec.argv)
     # paths expand ${VAR} and ~ (documented recipe feature); vllm-args values are verbatim
-    from m3patch.recipe.sections import expand
+    from m3patch.recipe.paths import expand
 
     assert value in argv and str(Path(expand(f"/models/{value}")).absolute()) in argv
     assert plan.spec.env["M3PATCH_TEST_VALUE"] == value

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from m3patch.bench.client import CELL_DEADLINE_HINT
-from m3patch.recipe.argv import flatten_vllm_args
+from m3patch.recipe.launch import flatten_vllm_args
 from m3patch.recipe.loader import doubling, load_recipe
 from m3patch.schema import SchemaError
 
@@ -102,6 +102,9 @@ def test_unknown_key_suggests_and_names_the_file(tmp_path: Path) -> None:
     ({"target": {"platform": "rocm-gfx924", "vllm-version": "0.32.0"}},
      "Perhaps you meant 'rocm-gfx942'?"),
     ({"markers": {"required": [{"id": "x", "text": "y", "count": 0}]}}, ">= 1"),
+    # a bad pattern fails at load, not with a traceback at the first log line
+    ({"markers": {"forbidden": [{"id": "x", "text": "regex:Using ('"}]}},
+     "==> At key: forbidden\n==> At index 0\n==> At key: text\n=====> invalid regex"),
 ])
 def test_invalid_values_fail_with_a_breadcrumb(tmp_path: Path, change: dict[str, object],
                                                needle: str) -> None:

@@ -1,18 +1,87 @@
-"""Flatten a recipe's `vllm-args` mapping into `vllm serve` arguments, the way `--config` does.
+"""How to launch `vllm serve`: server address, parallelism, environment and `vllm-args`.
 
-`vllm serve --config` turns `key: true` into `--key`, a list into `--key a b`, a nested mapping
-into `--key '<json>'`, and `key: false` into `--no-key` only when that option exists, silently
-dropping it otherwise. m3patch keeps the first three rules and makes the last one an error: a
-`false` the server would ignore is a recipe that does not do what it says.
+`vllm-args` are flattened into `vllm serve` arguments the way `vllm serve --config` does: `key:
+true` becomes `--key`, a list `--key a b`, a nested mapping `--key '<json>'`, and `key: false`
+`--no-key` only when that option exists (vLLM silently drops it otherwise). m3patch keeps the
+first three rules and makes the last one an error: a `false` the server would ignore is a recipe
+that does not do what it says. Options m3patch sets from other sections are refused here.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from m3patch.schema import SchemaError, at_key
+from m3patch.schema import SchemaError, at_key, check_keys, expect_bool, expect_int, expect_str
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int
+    ep: int
+    dp: int
+    dp_attention: bool
+
+    def argv(self) -> tuple[str, ...]:
+        # vLLM's expert parallelism is a switch: EP size = TP x DP. DP-attention runs TP1 x DP.
+        if self.dp_attention:
+            return ("--tensor-parallel-size", "1", "--data-parallel-size", str(self.tp),
+                    "--enable-expert-parallel")
+        out = ["--tensor-parallel-size", str(self.tp)]
+        if self.dp > 1:
+            out += ["--data-parallel-size", str(self.dp)]
+        if self.ep > 1:
+            out.append("--enable-expert-parallel")
+        return tuple(out)
+
+
+def server(data: dict[str, Any]) -> tuple[str, int]:
+    check_keys(data, optional=("host", "port"))
+    with at_key("host"):
+        host = expect_str(data.get("host", "127.0.0.1"))
+    with at_key("port"):
+        port = expect_int(data.get("port", 8765), minimum=1)
+        if port > 65535:
+            msg = f"port {port} is above 65535"
+            raise SchemaError(msg)
+    return host, port
+
+
+def parallelism(data: dict[str, Any]) -> Parallelism:
+    check_keys(data, optional=("tp", "ep", "dp", "dp-attention"))
+    with at_key("tp"):
+        tp = expect_int(data.get("tp", 1), minimum=1)
+    with at_key("dp"):
+        dp = expect_int(data.get("dp", 1), minimum=1)
+    with at_key("dp-attention"):
+        dp_attention = expect_bool(data.get("dp-attention", False))
+    with at_key("ep"):
+        ep = expect_int(data.get("ep", 1), minimum=1)
+        # vLLM has no EP size: --enable-expert-parallel spans all TP x DP ranks.
+        if ep not in (1, tp * dp):
+            msg = f"ep must be 1 or tp x dp = {tp * dp} (vLLM's EP spans every rank), got {ep}"
+            raise SchemaError(msg)
+    return Parallelism(tp, ep, dp, dp_attention)
+
+
+def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for name, value in data.items():
+        with at_key(name):
+            if not _ENV_NAME.match(name):
+                msg = f"{name!r} is not an environment variable name"
+                raise SchemaError(msg)
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                msg = f"expected a string or number (quote booleans: \"1\"/\"0\"), got {value!r}"
+                raise SchemaError(msg)
+            out.append((name, str(value)))
+    return tuple(out)
+
 
 # Boolean options registered with BooleanOptionalAction (so `--no-X` exists) in vLLM 0.32.0 and
 # 0.33.0: the bool fields of EngineArgs and FrontendArgs, minus those added with
