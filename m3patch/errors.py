@@ -34,10 +34,13 @@ class M3PatchError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, annotated: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        # True when each problem was already printed as its own GitHub `::error file=,line=`
+        # annotation: the handler then adds no second, flattened one for the whole message.
+        self.annotated = annotated
 
     def __str__(self) -> str:
         if self.hint:
