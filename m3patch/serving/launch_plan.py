@@ -23,6 +23,16 @@ LOOPBACK_ENV = (
     ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
     ("DO_NOT_TRACK", "1"), ("VLLM_HOST_IP", "127.0.0.1"), ("PYTHONUNBUFFERED", "1"),
 )
+# vLLM copies only some prefixes (VLLM_, HF_, NCCL_, ...) to Ray actors (vllm/ray/ray_env.py):
+# without this the series' M3PATCH_* gates never reach a Ray worker, which then runs `auto`.
+RAY_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+GATE_PREFIX = "M3PATCH_"
+
+
+def with_gate_prefix(prefixes: str) -> str:
+    """vLLM's comma-separated extra prefixes plus M3PATCH_, keeping what the user/recipe set."""
+    kept = [p.strip() for p in prefixes.split(",") if p.strip()]
+    return ",".join(kept if GATE_PREFIX in kept else [*kept, GATE_PREFIX])
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,8 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
                 ledger_sha256: str | None) -> LaunchPlan:
     overrides = dict(LOOPBACK_ENV)
     overrides.update(recipe.env)  # the recipe wins: it may know better for its platform
+    overrides[RAY_PREFIXES_VAR] = with_gate_prefix(
+        overrides.get(RAY_PREFIXES_VAR, os.environ.get(RAY_PREFIXES_VAR, "")))
     env = {**os.environ, **overrides}
     args = list(recipe.serve_args())
     args[args.index("--port") + 1] = str(port)
