@@ -22,6 +22,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 16   | ChangelogInvalid      | perf-changelog.yaml breaks the schema or append-only rules     |
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
+| 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 """
@@ -116,6 +117,10 @@ class ServerDied(M3PatchError):
     exit_code = 18
 
 
+class ModelMissing(M3PatchError):
+    exit_code = 19
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -125,5 +130,6 @@ INTERNAL_ERROR_EXIT = 70
 ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
-    BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, Interrupted,
+    BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
+    Interrupted,
 )

@@ -30,6 +30,7 @@ PLATFORMS = ("cpu", "cuda", "rocm-gfx942", "rocm-gfx950")
 LOCAL_PREFIXES = ("/", "~", "./", "../", "$")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 def expand(text: str) -> str:
@@ -58,6 +59,7 @@ class ModelSpec:
     served_name: str
     tokenizer: str       # for the bench client (a local dir avoids a hub lookup)
     draft: str | None
+    revision: str | None = None  # a hub model's pinned commit (40 hex); None: whatever `main` is
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,23 @@ def _source(text: str) -> tuple[str, bool]:
     return text, False
 
 
+def _revision(data: dict[str, Any], is_local: bool) -> str | None:
+    """A full commit: a branch or tag can move, and then the same recipe serves other weights."""
+    text = _opt_str(data, "revision")
+    with at_key("revision"):
+        if text is not None and not _COMMIT.match(text):
+            msg = (f"{text!r} is not a full 40-hex commit (a branch or tag can move; pin the "
+                   f"commit its page shows)")
+            raise SchemaError(msg)
+        if text is not None and is_local:
+            msg = "a revision pins a Hugging Face model; model.source is a local folder"
+            raise SchemaError(msg)
+    return text
+
+
 def model(data: dict[str, Any]) -> ModelSpec:
-    check_keys(data, required=("source", "served-name"), optional=("tokenizer", "draft"))
+    check_keys(data, required=("source", "served-name"),
+               optional=("tokenizer", "draft", "revision"))
     with at_key("source"):
         source, is_local = _source(expect_str(data["source"]))
     with at_key("served-name"):
@@ -123,7 +140,8 @@ def model(data: dict[str, Any]) -> ModelSpec:
     with at_key("tokenizer"):
         tokenizer = _source(tokenizer)[0] if tokenizer else source
     draft = _opt_str(data, "draft")
-    return ModelSpec(source, is_local, served, tokenizer, _source(draft)[0] if draft else None)
+    return ModelSpec(source, is_local, served, tokenizer, _source(draft)[0] if draft else None,
+                     _revision(data, is_local))
 
 
 def server(data: dict[str, Any]) -> tuple[str, int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from m3patch import markers as mk
 from m3patch.errors import UsageError
 from m3patch.recipe.loader import Recipe
+from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
 
 VLLM_MAIN = ("-m", "vllm.entrypoints.cli.main", "serve")
@@ -97,11 +98,8 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
 
 
 def check_model(recipe: Recipe) -> None:
-    model = recipe.model
-    for what, path in (("model", model.source), ("tokenizer", model.tokenizer)):
-        if model.is_local and not Path(path, "config.json" if what == "model" else "").exists():
-            msg = f"{recipe.path}: {what} directory {path} does not exist (or has no config.json)"
-            raise UsageError(msg, hint=f"python scripts/make_tiny_model.py {path}  (or fix model.source)")
+    """Model, draft and tokenizer on disk (local folder or HF cache at the pin), else exit 19."""
+    require_present(recipe)
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
