@@ -131,7 +131,17 @@ def test_unfinished_download_is_missing(hf_home: Path, tmp_path: Path) -> None:
     snapshot(hf_home / "hub", MODEL, A, present=("model-00001-of-00002.safetensors",))
     found = problems(write_recipe(tmp_path, "mi300x_tp8"))["model"]
     assert found is not None
-    assert "lacks 1 weight file(s) its index names (first: model-00002-of-00002.safetensors)" in found
+    assert "lacks 1 weight file(s) (first: model-00002-of-00002.safetensors)" in found
+
+
+def test_config_without_weights_is_missing(hf_home: Path, tmp_path: Path) -> None:
+    # no index, no weights: config.json is the first file a download links into the snapshot
+    folder = snapshot(hf_home / "hub", MODEL, A, present=())
+    (folder / "model.safetensors.index.json").unlink()
+    path = write_recipe(tmp_path, "mi300x_tp8")
+    assert "(first: any *.safetensors / *.bin / *.pt / *.pth)" in str(problems(path)["model"])
+    (folder / "model.safetensors").write_text("weights")
+    assert problems(path) == {"model": None}
 
 
 def test_snapshot_without_config_is_missing(hf_home: Path, tmp_path: Path) -> None:
@@ -142,6 +152,7 @@ def test_snapshot_without_config_is_missing(hf_home: Path, tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("ref_text", "index", "expect"), [
     ("not-a-commit\n", None, "does not hold a commit hash"),
+    (A * 10_000, None, "does not hold a commit hash"),
     (f"{A}\n", "{not json", "model.safetensors.index.json (" ),
     (f"{A}\n", json.dumps({"weight_map": {"w": "../../../etc/passwd"}}), "../../../etc/passwd"),
     (f"{A}\n", json.dumps({"weight_map": {"w": "/etc/passwd"}}), "/etc/passwd"),

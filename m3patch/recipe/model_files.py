@@ -31,6 +31,7 @@ DEFAULT_REF = "main"
 # that stopped half-way, and vLLM would fail after the series was applied.
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 INDEX_LIMIT = 64 << 20  # a real index is a few MB; anything larger is not one
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,10 @@ def locate(need: ModelNeed, cache: Path) -> Presence:
         return Presence(need, None, f"{_at(need)}: no snapshot folder {snapshot}")
     if need.needs_config and not (snapshot / "config.json").is_file():
         return Presence(need, None, f"{_at(need)}: {snapshot} has no config.json")
-    missing = _missing_shards(snapshot)
+    missing = _missing_shards(snapshot, need.needs_config)
     if missing:
         return Presence(need, None, f"{_at(need)}: {snapshot} lacks {len(missing)} weight file(s) "
-                                    f"its index names (first: {missing[0]}): an unfinished download")
+                                    f"(first: {missing[0]}): an unfinished download")
     return Presence(need, snapshot, None)
 
 
@@ -134,7 +135,8 @@ def _commit(repo: Path, revision: str | None) -> tuple[str | None, str]:
         return None, f"{repo.name}: the pinned revision {revision} is not cached ({cached})"
     ref = repo / "refs" / DEFAULT_REF
     try:
-        text = ref.read_text(encoding="ascii", errors="replace").strip()
+        with ref.open("rb") as handle:  # a commit is 40 bytes; never read a huge file whole
+            text = handle.read(128).decode("ascii", errors="replace").strip()
     except FileNotFoundError:
         return None, f"not in the Hugging Face cache (no {ref})"
     except OSError as exc:
@@ -144,8 +146,10 @@ def _commit(repo: Path, revision: str | None) -> tuple[str | None, str]:
     return text, ""
 
 
-def _missing_shards(snapshot: Path) -> list[str]:
-    """Weight files the snapshot's index names that are not there (or the index's own fault)."""
+def _missing_shards(snapshot: Path, weights: bool) -> list[str]:
+    """Weight files the snapshot's index names that are not there (or the index's own fault);
+    with no index, a model snapshot needs at least one weight file (config.json alone is the
+    first file a download writes)."""
     for name in WEIGHT_INDEXES:
         index = snapshot / name
         if not index.is_file():
@@ -161,6 +165,8 @@ def _missing_shards(snapshot: Path) -> list[str]:
             return [f"{name} (no weight_map)"]
         files = sorted({str(f) for f in weight_map.values()})
         return [f for f in files if not _inside(f) or not (snapshot / f).is_file()]
+    if weights and not any(p.is_file() for p in snapshot.iterdir() if p.suffix in WEIGHT_SUFFIXES):
+        return [f"any {' / '.join('*' + x for x in WEIGHT_SUFFIXES)}"]
     return []
 
 
