@@ -22,6 +22,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 16   | ChangelogInvalid      | perf-changelog.yaml breaks the schema or append-only rules     |
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
+| 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 """
@@ -34,10 +35,13 @@ class M3PatchError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None, annotated: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        # True when each problem was already printed as its own GitHub `::error file=,line=`
+        # annotation: the handler then adds no second, flattened one for the whole message.
+        self.annotated = annotated
 
     def __str__(self) -> str:
         if self.hint:
@@ -113,6 +117,10 @@ class ServerDied(M3PatchError):
     exit_code = 18
 
 
+class ModelMissing(M3PatchError):
+    exit_code = 19
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -122,5 +130,6 @@ INTERNAL_ERROR_EXIT = 70
 ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
-    BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, Interrupted,
+    BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
+    Interrupted,
 )

@@ -20,9 +20,9 @@ class Outcome:
     code: int = 0
 
 
-def _emit(message: str) -> None:
+def _emit(message: str, *, annotated: bool = False) -> None:
     first, *rest = message.splitlines() or [""]
-    if os.environ.get("GITHUB_ACTIONS") == "true":
+    if os.environ.get("GITHUB_ACTIONS") == "true" and not annotated:
         flat = message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
         print(f"::error::{flat}", file=sys.stderr)
     print(f"m3patch: error: {first}", file=sys.stderr)
@@ -61,7 +61,7 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
     except M3PatchError as exc:
         if debug:
             traceback.print_exc()
-        _emit(str(exc))
+        _emit(str(exc), annotated=exc.annotated)
         outcome.code = exc.exit_code
     except KeyboardInterrupt:
         print("m3patch: interrupted", file=sys.stderr)

@@ -30,6 +30,7 @@ COMMANDS: dict[str, Command] = {
     "revert": Command("m3patch.commands.revert", "restore the exact pinned pre-images"),
     "series": Command("m3patch.commands.series", "maintain a series (lock pins, show)"),
     "recipe": Command("m3patch.commands.recipe", "validate or show recipes"),
+    "model": Command("m3patch.commands.model", "check or fetch a recipe's model files (HF cache)"),
     "serve": Command("m3patch.commands.serve", "apply, verify, then run vllm serve with a marker gate"),
     "markers": Command("m3patch.commands.markers", "check a saved server log against markers"),
     "bench": Command("m3patch.commands.bench", "concurrency sweep with vllm bench serve; compare"),

@@ -52,6 +52,10 @@ def test_bad_recipe_fails_first_step_and_skips_the_rest(tmp_path: Path) -> None:
 def test_apply_verify_on_the_real_tree_then_the_bench_child_exit_code_is_the_jobs(
     tmp_path: Path, vllm_tree: Path
 ) -> None:
+    # A model folder the pre-apply check accepts; this interpreter has no vllm, so the bench
+    # child gets past apply and fails when it starts the server.
+    (tmp_path / "no-model").mkdir()
+    (tmp_path / "no-model" / "config.json").write_text("{}")
     done = _ci(tmp_path, _recipe(tmp_path), {"M3PATCH_VLLM_ROOT": str(vllm_tree)})
     summary = json.loads((tmp_path / "run" / ci.SUMMARY).read_text())
     steps = {s["name"]: s for s in summary["steps"]}
@@ -60,8 +64,9 @@ def test_apply_verify_on_the_real_tree_then_the_bench_child_exit_code_is_the_job
     copied = (tmp_path / "run" / "ledger.json").read_bytes()
     assert copied == ledger_path(vllm_tree).read_bytes()  # the ledger artifact is the tree's own
     assert steps["serve-sweep"]["status"] == "failed"
-    assert steps["serve-sweep"]["exit_code"] == done.returncode == summary["exit_code"] == 2
-    assert "no-model" in (tmp_path / "run" / ci.SERVE_LOG).read_text()  # the child's own error
+    assert steps["serve-sweep"]["exit_code"] == done.returncode == summary["exit_code"] == 10
+    # the child's own error (ServerExited: this interpreter cannot import vllm)
+    assert "No module named 'vllm'" in (tmp_path / "run" / ci.SERVE_LOG).read_text()
     assert steps["results"]["status"] == "skipped"
 
 

@@ -54,8 +54,11 @@ def errors_of(findings: Iterable[Finding]) -> list[Finding]:
     return [f for f in findings if f.status is Status.ERROR]
 
 
-def raise_for_errors(findings: Sequence[Finding], path: str) -> None:
-    """The single reduction: any error finding becomes one ChangelogInvalid (exit 16)."""
+def raise_for_errors(findings: Sequence[Finding], path: str, *, annotated: bool = False) -> None:
+    """The single reduction: any error finding becomes one ChangelogInvalid (exit 16).
+
+    `annotated`: each finding was already printed as a GitHub annotation (see `github_annotation`).
+    """
     bad = errors_of(findings)
     if not bad:
         return
@@ -63,7 +66,7 @@ def raise_for_errors(findings: Sequence[Finding], path: str) -> None:
     lines = [f"{path}: {len(bad)} changelog {noun}"]
     lines += [f.render(path, with_hint=False) for f in bad]
     hints = list(dict.fromkeys(f.hint for f in bad if f.hint))
-    raise ChangelogInvalid("\n".join(lines), hint="; ".join(hints) or None)
+    raise ChangelogInvalid("\n".join(lines), hint="; ".join(hints) or None, annotated=annotated)
 
 
 def github_annotation(finding: Finding, path: str) -> str:

@@ -16,7 +16,8 @@ from m3patch.changelog.refs import PATCHES_DIR, RECIPE_SUFFIXES, RECIPES_DIR, Ca
 from m3patch.errors import M3PatchError, UsageError
 from m3patch.yamlio import load_yaml_text
 
-# Used when neither --repo, $GITHUB_REPOSITORY nor a github.com `origin` remote names the repo.
+# Used when neither --repo, $GITHUB_REPOSITORY nor a github.com `upstream` / `origin` remote
+# names the repo.
 DEFAULT_REPO = "m3patch/m3patch"
 
 
@@ -103,7 +104,11 @@ def _patch_ids(raw: bytes, source: str) -> tuple[str, ...]:
 
 
 def resolve_repo(option: str | None, root: Path | None) -> str:
-    """OWNER/NAME for PR links: --repo, then $GITHUB_REPOSITORY, then origin, then DEFAULT_REPO."""
+    """OWNER/NAME for PR links: --repo, $GITHUB_REPOSITORY, `upstream`, `origin`, DEFAULT_REPO.
+
+    `upstream` before `origin`: in a contributor's fork clone `origin` is the fork, while PRs
+    (and so their links) live in the repository the fork came from.
+    """
     if option:
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", option):
             msg = f"--repo {option!r} is not OWNER/NAME"
@@ -112,9 +117,15 @@ def resolve_repo(option: str | None, root: Path | None) -> str:
     env = os.environ.get("GITHUB_REPOSITORY")
     if env:
         return env
-    if root is not None:
-        url = git(root, "remote", "get-url", "origin").stdout.decode().strip()
-        found = re.search(r"github\.com[:/]([\w.-]+/[\w.-]+?)(?:\.git)?$", url)
+    for remote in ("upstream", "origin"):
+        url = git(root, "remote", "get-url", remote).stdout if root is not None else b""
+        found = github_repo_of(url.decode(errors="replace").strip())
         if found:
-            return found.group(1)
+            return found
     return DEFAULT_REPO
+
+
+def github_repo_of(url: str) -> str | None:
+    """OWNER/NAME of a github.com remote URL (https, ssh or scp form); None for anything else."""
+    found = re.search(r"github\.com[:/]([\w.-]+/[\w.-]+?)(?:\.git)?/?$", url)
+    return found.group(1) if found else None

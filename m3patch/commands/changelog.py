@@ -5,8 +5,9 @@
 Without --head the work-tree file is checked; refs are read with `git show REF:path`. Without
 --base only the schema, layout and references are checked (every entry counts as new). PR links
 are https://github.com/OWNER/NAME/pull/N, the repo from --repo, $GITHUB_REPOSITORY, the
-github.com `origin` remote, else m3patch/m3patch. Exit 16 on a rule violation, 2 on a bad
-invocation or unknown ref. With GITHUB_ACTIONS=true each problem is also a `::error` annotation.
+github.com `upstream` remote (a fork clone's origin is the fork), the github.com `origin` remote,
+else m3patch/m3patch. Exit 16 on a rule violation, 2 on a bad invocation or unknown ref. With
+GITHUB_ACTIONS=true each problem is one `::error file=,line=` annotation (none repeated on stderr).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--pr", type=int, metavar="N", help="this PR's number (its pr-link)")
     check.add_argument("--file", type=Path, help=f"the changelog (default: <repo>/{DEFAULT_FILE})")
     check.add_argument("--repo", metavar="OWNER/NAME", help="GitHub repository of PR links (default: $GITHUB_REPOSITORY,"
-                       " else the github.com origin remote, else m3patch/m3patch)")
+                       " else the github.com upstream remote, else origin, else m3patch/m3patch)")
     check.add_argument("--json", type=Path, dest="json_path", metavar="FILE",
                        help="write the report (findings, new entries, new_recipes) here")
 
@@ -58,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
     report = check(inp, build_catalog(reader))
     if args.json_path is not None:
         _write_json(args.json_path, report.to_json())
-    if os.environ.get("GITHUB_ACTIONS") == "true":
+    annotate = os.environ.get("GITHUB_ACTIONS") == "true"
+    if annotate:  # one annotation per problem, pinned to its line
         for finding in errors_of(report.findings):
             print(github_annotation(finding, rel), flush=True)
-    raise_for_errors(report.findings, rel)
+    raise_for_errors(report.findings, rel, annotated=annotate)
     for finding in report.findings:
         info(f"{rel}: {finding.message}")
     return 0

@@ -2,7 +2,7 @@
 
 Steps, in order, each a result with a status; the first failure skips the rest and its exit code
 (errors.py) is the job's:
-  recipe        load and validate the recipe
+  recipe        load and validate the recipe; its model, draft and tokenizer must be on disk
   apply-verify  apply the recipe's series to the tree the recipe's python imports, verify it,
                 copy the ledger into the run folder (in-process: m3patch.patching.api)
   serve-sweep   `m3patch bench RECIPE --run-dir DIR` in a child process (its own signal
@@ -96,6 +96,7 @@ def _run_step(name: str, step: StepFn) -> tuple[StepResult, M3PatchError | None]
 
 def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     from m3patch.recipe.loader import load_recipe
+    from m3patch.recipe.model_files import require_present
 
     recipe = load_recipe(path)
     state["recipe"] = recipe
@@ -103,7 +104,8 @@ def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...
         stamp = time.strftime("%Y%m%d-%H%M%S")
         state["run_dir"] = Path(recipe.results_dir) / f"ci-{recipe.name}-{stamp}"
     Path(state["run_dir"]).mkdir(parents=True, exist_ok=True)
-    return f"{recipe.name} (series {recipe.series_dir})", ()
+    require_present(recipe)  # before apply-verify: a missing model leaves the tree untouched
+    return f"{recipe.name} (series {recipe.series_dir}; model files on disk)", ()
 
 
 def _apply_verify(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:

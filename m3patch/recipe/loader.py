@@ -56,8 +56,9 @@ class Recipe:
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
         spec = ("--speculative-config", self.speculative_json) if self.speculative_json else ()
+        pin = ("--revision", self.model.revision) if self.model.revision else ()
         return (self.model.source, "--host", self.host, "--port", str(self.port),
-                "--served-model-name", self.model.served_name,
+                "--served-model-name", self.model.served_name, *pin,
                 *self.parallelism.argv(), *spec, *self.vllm_args)
 
 

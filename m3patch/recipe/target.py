@@ -9,6 +9,7 @@ breadcrumb) and returns a frozen value.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from m3patch.schema import SchemaError, at_key, check_keys, expect_choice, expec
 
 PLATFORMS = ("cpu", "cuda", "rocm-gfx942", "rocm-gfx950")
 DRAFT_METHODS = ("eagle", "eagle3", "draft_model")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class ModelSpec:
     served_name: str
     tokenizer: str       # for the bench client (a local dir avoids a hub lookup)
     draft: str | None
+    revision: str | None = None  # a hub model's pinned commit (40 hex); None: whatever `main` is
 
 
 def opt_str(data: dict[str, Any], key: str) -> str | None:
@@ -55,8 +58,23 @@ def target(data: dict[str, Any]) -> Target:
     return Target(platform, version, opt_str(data, "image"), python)
 
 
+def _revision(data: dict[str, Any], is_local: bool) -> str | None:
+    """A full commit: a branch or tag can move, and then the same recipe serves other weights."""
+    text = opt_str(data, "revision")
+    with at_key("revision"):
+        if text is not None and not _COMMIT.match(text):
+            msg = (f"{text!r} is not a full 40-hex commit (a branch or tag can move; pin the "
+                   f"commit its page shows)")
+            raise SchemaError(msg)
+        if text is not None and is_local:
+            msg = "a revision pins a Hugging Face model; model.source is a local folder"
+            raise SchemaError(msg)
+    return text
+
+
 def model(data: dict[str, Any]) -> ModelSpec:
-    check_keys(data, required=("source", "served-name"), optional=("tokenizer", "draft"))
+    check_keys(data, required=("source", "served-name"),
+               optional=("tokenizer", "draft", "revision"))
     with at_key("source"):
         source, is_local = model_source(expect_str(data["source"]))
     with at_key("served-name"):
@@ -66,7 +84,7 @@ def model(data: dict[str, Any]) -> ModelSpec:
         tokenizer = model_source(tokenizer)[0] if tokenizer else source
     draft = opt_str(data, "draft")
     return ModelSpec(source, is_local, served, tokenizer,
-                     model_source(draft)[0] if draft else None)
+                     model_source(draft)[0] if draft else None, _revision(data, is_local))
 
 
 def speculative_json(spec: dict[str, Any], draft: str | None) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from m3patch import markers as mk
 from m3patch.errors import UsageError
 from m3patch.recipe.loader import Recipe
+from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
 
 VLLM_MAIN = ("-m", "vllm.entrypoints.cli.main", "serve")
@@ -23,6 +24,16 @@ LOOPBACK_ENV = (
     ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
     ("DO_NOT_TRACK", "1"), ("VLLM_HOST_IP", "127.0.0.1"), ("PYTHONUNBUFFERED", "1"),
 )
+# vLLM copies only some prefixes (VLLM_, HF_, NCCL_, ...) to Ray actors (vllm/ray/ray_env.py):
+# without this the series' M3PATCH_* gates never reach a Ray worker, which then runs `auto`.
+RAY_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+GATE_PREFIX = "M3PATCH_"
+
+
+def with_gate_prefix(prefixes: str) -> str:
+    """vLLM's comma-separated extra prefixes plus M3PATCH_, keeping what the user/recipe set."""
+    kept = [p.strip() for p in prefixes.split(",") if p.strip()]
+    return ",".join(kept if GATE_PREFIX in kept else [*kept, GATE_PREFIX])
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
                 ledger_sha256: str | None) -> LaunchPlan:
     overrides = dict(LOOPBACK_ENV)
     overrides.update(recipe.env)  # the recipe wins: it may know better for its platform
+    overrides[RAY_PREFIXES_VAR] = with_gate_prefix(
+        overrides.get(RAY_PREFIXES_VAR, os.environ.get(RAY_PREFIXES_VAR, "")))
     env = {**os.environ, **overrides}
     args = list(recipe.serve_args())
     args[args.index("--port") + 1] = str(port)
@@ -79,11 +92,8 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
 
 
 def check_model(recipe: Recipe) -> None:
-    model = recipe.model
-    for what, path in (("model", model.source), ("tokenizer", model.tokenizer)):
-        if model.is_local and not Path(path, "config.json" if what == "model" else "").exists():
-            msg = f"{recipe.path}: {what} directory {path} does not exist (or has no config.json)"
-            raise UsageError(msg, hint=f"python scripts/make_tiny_model.py {path}  (or fix model.source)")
+    """Model, draft and tokenizer on disk (local folder or HF cache at the pin), else exit 19."""
+    require_present(recipe)
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
