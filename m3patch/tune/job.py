@@ -96,7 +96,8 @@ def _provenance(spec: TuneSpec, source: KernelSource, shape: MoEShape,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         command=spec.command, kernel_origin=source.origin, kernel_sha256=source.source_sha256,
         shape=shape.key, timings_us={b: r.us for b, r in best.items()},
-        expert_parallel=shape.expert_parallel, search=search)
+        expert_parallel=shape.expert_parallel, search=search,
+        judged={b: r.judgement for b, r in best.items() if r.judgement is not None})
 
 
 def run_tune(spec: TuneSpec) -> list[Path]:

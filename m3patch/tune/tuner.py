@@ -1,4 +1,5 @@
-"""Tune one shape: per batch size, check every config, time it briefly, refine the best few.
+"""Tune one shape: per batch size, check every config, time it briefly, refine the best few,
+then let the judge (judge.py) decide between the fastest refined config and vLLM's default.
 
 Every finished measurement goes to the resumable cache first; a run past its deadline stops
 between configs and reports which batch sizes it finished.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.judge import DEFAULT_ROUNDS, Judgement, measure
 from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 from m3patch.tune.naming import default_config
 from m3patch.tune.shapes import MoEShape
@@ -27,6 +29,7 @@ class TuneOptions:
     refine_reps: int = 25
     refine_top: int = 4
     deadline: float | None = None  # time.monotonic() value
+    judge_rounds: int = DEFAULT_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class BatchBest:
     failed: int
     resumed: int = 0  # quick results taken from the cache instead of timed in this run
     default_us: float | None = None  # vLLM's default, refined beside the best quick picks
+    judgement: Judgement | None = None  # the final choice: fastest refined vs the default
 
 
 class Progress:
@@ -158,11 +162,32 @@ def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: Re
         return None
     best_us, best = min(refined)
     default_us = next((us for us, cfg in refined if cfg == default), None)
+    verdict = _judge(bench, batch, best, default, opts, progress)
+    config, us = best, best_us
+    if verdict is not None:
+        config = TileConfig.from_key(verdict.chosen)
+        us = verdict.tuned_us if verdict.decision == "tuned" else verdict.default_us
     progress.log(f"{shape.key} M={batch}: best {best.key} {best_us:.1f} us "
                  f"({len(quick.timed)} timed, {quick.resumed} of them resumed, "
-                 f"{quick.failed} failed)")
-    return BatchBest(batch, best, best_us, len(quick.timed), quick.failed, quick.resumed,
-                     default_us)
+                 f"{quick.failed} failed)"
+                 + (f"; judge: {verdict.verdict} (t/d {verdict.ratio:.3f} +- "
+                    f"{100 * verdict.noise:.1f}%) -> {config.key}" if verdict else ""))
+    return BatchBest(batch, config, us, len(quick.timed), quick.failed, quick.resumed,
+                     default_us, verdict)
+
+
+def _judge(bench: MoEBench, batch: int, best: TileConfig, default: TileConfig | None,
+           opts: TuneOptions, progress: Progress) -> Judgement | None:
+    """The final choice, head to head with the default; None where no default is known or it
+    fails its own reference check (the tuned pick then stands, and the log says so)."""
+    if default is None:
+        return None
+    try:
+        return measure(bench, batch, best, default, rounds=opts.judge_rounds,
+                       reps=opts.refine_reps)
+    except ConfigFailed as exc:
+        progress.log(f"{bench.shape.key} M={batch}: cannot judge against the default: {exc}")
+        return None
 
 
 def tune_shape(bench: MoEBench, plan: dict[int, list[TileConfig]], cache: ResultCache,
