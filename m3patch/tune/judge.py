@@ -26,6 +26,10 @@ from m3patch.tune.tile import TileConfig
 Verdict = Literal["wins", "tie", "loses", "same"]
 MIN_ROUNDS = 2
 DEFAULT_ROUNDS = 6  # 3 of each order; half the spread of 6 paired ratios is the noise
+JUDGE_RULE = ("per batch size the config under test (the tuner's fastest refined pick, or a "
+              "table's entry) and vLLM's default are timed head to head (m3patch/tune/judge.py: same inputs, CUDA-graph replays, rounds alternating "
+              "the order); the default stays unless the median tuned/default ratio is below 1 "
+              "by more than the noise (half the spread of the per-round ratios)")
 
 
 class Bench(Protocol):

@@ -16,7 +16,7 @@ from typing import Any
 
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import write_json_atomic
-from m3patch.tune.judge import Judgement
+from m3patch.tune.judge import JUDGE_RULE, Judgement
 from m3patch.tune.space import TileConfig
 
 PROVENANCE_SUFFIX = ".provenance.json"
@@ -65,11 +65,6 @@ class Provenance:
     expert_parallel: bool = False
     search: Mapping[int, SearchRecord] = field(default_factory=dict)
     judged: Mapping[int, Judgement] = field(default_factory=dict)
-
-JUDGE_RULE = ("per batch size the fastest refined config and vLLM's default are timed head to "
-              "head (m3patch/tune/judge.py: same inputs, CUDA-graph replays, rounds alternating "
-              "the order); the default stays unless the median tuned/default ratio is below 1 "
-              "by more than the noise (half the spread of the per-round ratios)")
 
 
 def table_dict(best: Mapping[int, TileConfig], triton_version: str) -> dict[str, Any]:
