@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from m3patch.tune import compile_pool, naming
 from m3patch.tune.cache import ResultCache
 from m3patch.tune.judge import DEFAULT_ROUNDS, measure
 from m3patch.tune.kernel_source import load_kernel
-from m3patch.tune.kernel_timer import MoEBench
+from m3patch.tune.kernel_timer import MoEBench, experts_hit
+from m3patch.tune.routing import KINDS, routing_for
 from m3patch.tune.shapes import DEFAULT_BATCH_SIZES, MoEShape
 from m3patch.tune.space import REDUCED_BF16_AXES, space_for_shape
 from m3patch.tune.tuner import Progress, TuneOptions, tune_batch
@@ -46,8 +46,7 @@ def expert_bytes(shape: MoEShape) -> float:
 
 
 def floor_us(bench: MoEBench, batch: int) -> float:
-    setup = bench.setup(batch)
-    hit = statistics.mean(int(torch.unique(p.topk_ids).numel()) for p in setup.problems)
+    hit = experts_hit(bench.setup(batch), bench.shape.num_experts)
     return hit * expert_bytes(bench.shape) / FLOOR_BW * 1e6
 
 
@@ -76,8 +75,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                         help="judge rounds per batch (alternating order)")
     parser.add_argument("--skip-bf16", action="store_true", help="no BF16 comparison")
+    parser.add_argument("--routing", choices=KINDS, default="bench",
+                        help="ep-rank: the EP8 shape timed with the routing one rank sees")
+    parser.add_argument("--ep-ranks", type=int)
     parser.add_argument("--workers", type=int, default=14)
     args = parser.parse_args()
+    routing = routing_for(args.routing, args.ep_ranks, SHAPES)
     source = load_kernel(args.vllm_source)
     device = torch.cuda.get_device_name()
     small = [b for b in DEFAULT_BATCH_SIZES if b <= BF16_MAX_BATCH]
@@ -91,7 +94,7 @@ def main() -> int:
     rows = []
     for shape in SHAPES:
         table = read_table(args.tables / naming.table_file_name(shape, device))
-        bench = MoEBench(source.kernel, shape)
+        bench = MoEBench(source.kernel, shape, routing=routing.for_shape(shape))
         for batch in DEFAULT_BATCH_SIZES:
             tuned, default = nearest_config(table, batch), naming.default_config(shape, batch)
             verdict = measure(bench, batch, tuned, default, rounds=args.rounds,
@@ -115,6 +118,8 @@ def main() -> int:
         row["floor_fraction"] = row["fp8_floor_us"] / row["tuned_us"]
     args.out.write_text(json.dumps({"device": device, "torch": torch.__version__,
                                     "command": " ".join(sys.argv), "rounds": args.rounds,
+                                    "routing": {s.key: routing.for_shape(s).describe(s)
+                                                for s in SHAPES},
                                     "reps": args.reps, "floor_bandwidth_Bps": FLOOR_BW,
                                     "rows": rows}, indent=1))
     print(f"{'shape':<10} {'M':>5} {'tuned us':>9} {'default us':>10} {'t/d':>5} "

@@ -21,6 +21,7 @@ from typing import Any
 
 from m3patch.errors import UsageError
 from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS
+from m3patch.tune.routing import KINDS, routing_for
 from m3patch.tune.shapes import (
     MoEShape,
     check_dtype,
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--device-name", help="device name for the file name (default: this GPU's)")
     how.add_argument("--plan", action="store_true",
                      help="print shapes, table file names and search-space sizes; no GPU")
+    how.add_argument("--routing", choices=KINDS, default="bench",
+                     help="bench: vLLM's benchmark convention (the shipped tables'); ep-rank: "
+                          "top-k over all E x R experts, only this rank's pairs (EP shapes)")
+    how.add_argument("--ep-ranks", type=int, metavar="R",
+                     help="expert-parallel ranks for --routing ep-rank (8 for TP8+EP8)")
     how.add_argument("--judge-rounds", type=int, default=DEFAULT_ROUNDS,
                      help="head-to-head rounds against vLLM's default per batch size")
     check = parser.add_argument_group("check an existing table")
@@ -191,12 +197,13 @@ def _run_check(args: argparse.Namespace) -> int:
     shape = _check_shape(args)
     batches = None if args.batch_sizes == "default" else parse_batch_sizes(args.batch_sizes)
     _check_counts(args)
+    routing = routing_for(args.routing, args.ep_ranks, (shape,))
     json_path = args.check_json or args.out_dir / (args.check.name + ".check.json")
     job = _import_job()
     spec = job.CheckSpec(table=args.check, shape=shape, json_path=json_path,
                          vllm_source=args.vllm_source, workers=args.workers,
                          rounds=args.judge_rounds, reps=args.judge_reps, batches=batches,
-                         command=_command_line())
+                         command=_command_line(), routing=routing)
     judgements = job.run_check(spec)
     print(format_table([(shape.key.split(",K=")[0], j) for j in judgements]))
     print(f"wrote {json_path}")
@@ -214,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = _shapes(args)
     batches = parse_batch_sizes(args.batch_sizes)
     _check_counts(args)
+    routing = routing_for(args.routing, args.ep_ranks, shapes)
     axes: SpaceAxes = AXES[args.space]
     if args.plan:
         _print_plan(shapes, batches, axes, args.device_name)
@@ -229,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         options=TuneOptions(args.quick_reps, args.refine_reps, args.refine_top, deadline,
                             args.judge_rounds),
         device_name=args.device_name,
-        command=_command_line(),
+        command=_command_line(), routing=routing,
     )
     for path in job.run_tune(spec):
         print(path)

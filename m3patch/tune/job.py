@@ -11,7 +11,7 @@ import datetime
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,19 +26,13 @@ from m3patch.tune.judge import Judgement, measure
 from m3patch.tune.kernel_source import KernelSource, load_kernel
 from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 from m3patch.tune.naming import default_config, table_file_name
+from m3patch.tune.routing import Routing
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
 from m3patch.tune.table_check import report, table_entries
 from m3patch.tune.tile import launches_needed
 from m3patch.tune.tuner import BatchBest, Progress, TuneOptions, tune_shape
-from m3patch.tune.writer import (
-    ROUTING_DENSE,
-    ROUTING_EP,
-    Provenance,
-    SearchRecord,
-    nearest_config,
-    write_table,
-)
+from m3patch.tune.writer import Provenance, SearchRecord, nearest_config, write_table
 
 
 @dataclass(frozen=True)
@@ -54,6 +48,7 @@ class TuneSpec:
     device_name: str | None
     command: str
     precompile: bool = True
+    routing: Routing = field(default_factory=Routing)
 
 
 @dataclass(frozen=True)
@@ -67,6 +62,7 @@ class CheckSpec:
     reps: int
     batches: tuple[int, ...] | None  # None: the table's own batch sizes
     command: str
+    routing: Routing = field(default_factory=Routing)
 
 
 def driver_version() -> str:
@@ -95,7 +91,7 @@ def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]],
     jobs = []
     for shape, plan in zip(spec.shapes, plans, strict=True):
         defaults = {batch: default_config(shape, batch, rocm=rocm) for batch in plan}
-        needed = launches_needed(cache, shape.key, plan, spec.options.refine_top, defaults)
+        needed = launches_needed(cache, spec.routing.for_shape(shape).cache_key(shape), plan, spec.options.refine_top, defaults)
         jobs += list(compile_pool.make_jobs(shape, needed, chunk=8))
     total = sum(len(job[2]) for job in jobs)
     progress = Progress(total, "compile")
@@ -121,7 +117,8 @@ def _provenance(spec: TuneSpec, source: KernelSource, shape: MoEShape,
         command=spec.command, kernel_origin=source.origin, kernel_sha256=source.source_sha256,
         shape=shape.key, timings_us={b: r.us for b, r in best.items()},
         expert_parallel=shape.expert_parallel, search=search,
-        judged={b: r.judgement for b, r in best.items() if r.judgement is not None})
+        judged={b: r.judgement for b, r in best.items() if r.judgement is not None},
+        routing=spec.routing.for_shape(shape).describe(shape))
 
 
 def run_tune(spec: TuneSpec) -> list[Path]:
@@ -136,7 +133,7 @@ def run_tune(spec: TuneSpec) -> list[Path]:
     unfinished: list[str] = []
     device = spec.device_name or torch.cuda.get_device_name()
     for shape, plan in zip(spec.shapes, plans, strict=True):
-        bench = MoEBench(source.kernel, shape)
+        bench = MoEBench(source.kernel, shape, routing=spec.routing.for_shape(shape))
         progress = Progress(sum(len(c) for c in plan.values()), f"tune {shape.key}")
         with progress.running():
             best = tune_shape(bench, plan, cache, spec.options, progress, rocm=rocm)
@@ -183,7 +180,8 @@ def run_check(spec: CheckSpec) -> list[Judgement]:
              for b in batches}
     if spec.workers > 0:
         _precompile_pairs(spec, pairs)
-    bench = MoEBench(source.kernel, spec.shape)
+    routing = spec.routing.for_shape(spec.shape)
+    bench = MoEBench(source.kernel, spec.shape, routing=routing)
     judgements = []
     for batch, (entry, default) in pairs.items():
         try:
@@ -198,7 +196,7 @@ def run_check(spec: CheckSpec) -> list[Judgement]:
            "torch": torch.__version__, "triton": triton.__version__, "date": _utc_now(),
            "command": spec.command, "kernel_origin": source.origin,
            "rounds": str(spec.rounds), "reps": str(spec.reps)}
-    routing = ROUTING_EP if spec.shape.expert_parallel else ROUTING_DENSE
     spec.json_path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(spec.json_path, report(spec.table, spec.shape, routing, judgements, env))
+    write_json_atomic(spec.json_path, report(spec.table, spec.shape,
+                                             routing.describe(spec.shape), judgements, env))
     return judgements

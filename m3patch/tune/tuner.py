@@ -101,10 +101,10 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
         if _past(opts.deadline):
             return None
         progress.advance()
-        if cache.failed(shape.key, batch, cfg.key):
+        if cache.failed(bench.cache_key, batch, cfg.key):
             quick.failed += 1
             continue
-        hit = cache.get(shape.key, batch, cfg.key, "quick")
+        hit = cache.get(bench.cache_key, batch, cfg.key, "quick")
         if hit is not None and hit.us is not None:
             timed.append((hit.us, cfg))
             quick.resumed += 1
@@ -113,11 +113,11 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
         try:
             error = bench.check(setup, cfg)
         except ConfigFailed as exc:
-            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            cache.add(Result(bench.cache_key, batch, cfg.key, "failed", None, note=str(exc)))
             quick.failed += 1
             continue
         us = bench.time(setup, cfg, opts.quick_reps)
-        cache.add(Result(shape.key, batch, cfg.key, "quick", us, error))
+        cache.add(Result(bench.cache_key, batch, cfg.key, "quick", us, error))
         timed.append((us, cfg))
     timed.sort()
     return quick
@@ -126,13 +126,13 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
 def _refine(bench: MoEBench, batch: int, cfg: TileConfig, cache: ResultCache,
             opts: TuneOptions) -> float | None:
     """The refine timing of one config (cached or measured now); None past the deadline."""
-    hit = cache.get(bench.shape.key, batch, cfg.key, "refine")
+    hit = cache.get(bench.cache_key, batch, cfg.key, "refine")
     if hit is not None and hit.us is not None:
         return hit.us
     if _past(opts.deadline):
         return None
     us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
-    cache.add(Result(bench.shape.key, batch, cfg.key, "refine", us))
+    cache.add(Result(bench.cache_key, batch, cfg.key, "refine", us))
     return us
 
 
@@ -151,7 +151,7 @@ def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: Re
         try:
             us = _refine(bench, batch, cfg, cache, opts)
         except ConfigFailed as exc:  # a resumed quick result that fails its check here
-            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            cache.add(Result(bench.cache_key, batch, cfg.key, "failed", None, note=str(exc)))
             progress.log(f"{shape.key} M={batch}: {exc}")
             continue
         if us is None:
