@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device command for the judged H200 tables (one H200, torch+triton, no vLLM, no network),
 # from the repo root on the device, OUT set:
-#   bash scripts/tune_check_h200.sh [CARRY] [TUNE_BUDGET_S]
+#   bash scripts/tune_check_h200.sh [CARRY] [TUNE_BUDGET_S] [END_S]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py (vLLM
 # 0.33.0's, the kernel) and tune-cache.jsonl (the earlier runs' results, resumed).
 #  1. tests/test_tune_gpu.py;
@@ -9,7 +9,10 @@
 #     both routings (vLLM's benchmark convention and ep-rank), TP8 with the convention (no EP:
 #     every rank sees every expert);
 #  3. re-tune both shapes with the judge deciding each final entry (resumed cache);
-#  4. bench_moe_tables.py on the re-tuned tables, twice (two independent processes).
+#  4. bench_moe_tables.py on the re-tuned tables, twice (two independent processes), and
+#     --check of the re-tuned EP8 table with ep-rank routing;
+#  5. with the seconds left before END_S: tune EP8 with ep-rank routing (the whole space: no
+#     cached results under that routing) and --check that table with both routings.
 # Every stage logs to run.log and re-packs results.tar (the call returns <= 8 files), so a
 # stage cut off by the time limit still leaves the earlier ones.
 set -uo pipefail
@@ -17,13 +20,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/tune-check-out}
 CARRY=${1:-.devcarry}
 BUDGET=${2:-200}
+END=${3:-540}
 RES=/tmp/res
 mkdir -p "$OUT" "$RES" /tmp/shipped
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$RES/run.log"; }
 pack() { tar -C /tmp -cf "$OUT/results.tar" res; cp "$RES/run.log" "$OUT/run.log"; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  date -u +%Y-%m-%dT%H:%M:%SZ; git log -1 --format='commit %H' 2>/dev/null || true
+  date -u +%Y-%m-%dT%H:%M:%SZ; cat COMMIT 2>/dev/null || echo "commit unknown"
   } > "$RES/env.txt" 2>&1
 cat "$RES/env.txt"
 
@@ -54,6 +58,8 @@ check() {  # name table extra-args...
     --check-json "$RES/check-$name.json" "$@" > "$RES/check-$name.txt" 2> "$RES/check-$name.log"
   log "check $name rc=$?"; cat "$RES/check-$name.txt"; pack
 }
+RAW="docs/results/tune-h200/tuned-raw/$(basename "$EP8")"
+check ep8-tunedraw-bench "$RAW"
 check ep8-bench "$EP8"
 check ep8-eprank "$EP8" --routing ep-rank --ep-ranks 8
 check tp8-bench "$TP8"
@@ -72,4 +78,20 @@ for run in 1 2; do
     > "$RES/bench-run$run.txt"
   log "bench run $run rc=$?"; cat "$RES/bench-run$run.txt"; pack
 done
+TUNED="$RES/tables/$(basename "$EP8")"
+check retuned-ep8-eprank "$TUNED" --routing ep-rank --ep-ranks 8
+
+LEFT=$((END - SECONDS - 60))
+if (( LEFT > 60 )); then
+  log "stage 5: tune EP8 with ep-rank routing (budget ${LEFT} s)"
+  python3 -m m3patch tune --shape 16,3072,6144,4,ep --routing ep-rank --ep-ranks 8 \
+    --batch-sizes default --vllm-source "$CARRY" --out-dir "$RES/tables-eprank" \
+    --cache "$RES/tune-cache-eprank.jsonl" --workers 14 --time-budget "$LEFT" \
+    > "$RES/tune-eprank.log" 2>&1
+  log "tune ep-rank rc=$?"; tail -3 "$RES/tune-eprank.log"; pack
+  if [[ -f $RES/tables-eprank/$(basename "$EP8") ]]; then
+    check eprank-ep8-eprank "$RES/tables-eprank/$(basename "$EP8")" --routing ep-rank --ep-ranks 8
+    check eprank-ep8-bench "$RES/tables-eprank/$(basename "$EP8")"
+  fi
+fi
 log "done"; pack

@@ -137,11 +137,16 @@ class _ReplayBench:
 def test_measure_checks_both_then_alternates_the_order() -> None:
     tuned, default = TileConfig(16, 64, 128, 1, 4, 5), TileConfig(16, 64, 128, 1, 4, 4)
     recorded = _recorded(EP8_PREFIX, 16)
-    bench = _ReplayBench(tuned, {tuned: list(recorded.tuned_rounds) * 2,
-                                 default: list(recorded.default_rounds) * 2})
+    cold = [1.12 * recorded.tuned_rounds[0]]  # a slow first slot, as the H200 showed
+    bench = _ReplayBench(tuned, {tuned: cold + list(recorded.tuned_rounds) * 2,
+                                 default: [recorded.default_rounds[0]]
+                                 + list(recorded.default_rounds) * 2})
     verdict = measure(bench, 16, tuned, default, rounds=4, reps=3)
     assert bench.checked == [tuned, default]
-    assert bench.calls == ["t", "d", "d", "t", "t", "d", "d", "t"]
+    warmup, rounds = bench.calls[:2], bench.calls[2:]
+    assert warmup == ["t", "d"] and rounds == ["t", "d", "d", "t", "t", "d", "d", "t"]
+    assert verdict.warmup_us == (cold[0], recorded.default_rounds[0])
+    assert verdict.tuned_rounds == recorded.tuned_rounds * 2  # the warm-up is kept apart
     assert verdict.decision == "default" and verdict.tuned == tuned.key
     with pytest.raises(ValueError, match="rounds"):
         measure(bench, 16, tuned, default, rounds=1)
