@@ -163,3 +163,67 @@ def test_the_table_sidecar_records_each_judgement(tmp_path: Path) -> None:
     sidecar = json.loads((path.parent / "t.json.provenance.json").read_text())
     assert sidecar["judge"]["rule"] == JUDGE_RULE
     assert sidecar["judge"]["per_batch"]["16"] == json.loads(json.dumps(verdict.to_dict()))
+
+
+JUDGE_RUNS = RESULTS / "judge"
+JUDGED_TABLES = RESULTS / "judged-tables"
+
+
+def _recorded_rows() -> list[tuple[str, dict[str, Any]]]:
+    rows = []
+    for path in sorted(JUDGE_RUNS.glob("call*/*.json")):
+        data = json.loads(path.read_text())
+        for row in data.get("per_batch") or data.get("rows", []):
+            rows.append((f"{path.parent.name}/{path.name} M={row['batch']}", row))
+    return rows
+
+
+def test_every_recorded_device_verdict_is_what_the_rule_gives() -> None:
+    """The H200 runs' verdicts come from this pure rule applied to their own rounds (recorded
+    to 0.01 us: a verdict may differ only where that rounding moves the ratio across the
+    noise band)."""
+    rows = _recorded_rows()
+    assert len(rows) > 300
+    differ = 0
+    for where, row in rows:
+        again = judge(row["batch"], row["tuned_config"], row["default_config"],
+                      row["tuned_rounds_us"], row["default_rounds_us"])
+        assert again.ratio == pytest.approx(row["ratio"], abs=2e-3), where
+        if again.verdict != row["verdict"]:
+            rounding = 4 * 0.005 / min(*row["tuned_rounds_us"], *row["default_rounds_us"])
+            assert abs(abs(again.ratio - 1) - again.noise) < rounding, where
+            differ += 1
+    assert differ <= 3
+
+
+def test_without_a_warm_up_round_the_first_slot_inflates_the_noise() -> None:
+    """call1 had no warm-up round: in its A/A rows (entry == default) dropping the first round
+    shrinks the noise at most batch sizes; call2 on has the warm-up kept apart."""
+    same = [row for where, row in _recorded_rows()
+            if where.startswith("call1/check-") and row["verdict"] == "same"]
+    shrunk = [judge(r["batch"], "a", "a", r["tuned_rounds_us"][1:], r["default_rounds_us"][1:]
+                    ).noise < r["noise"] for r in same]
+    assert len(same) > 20 and sum(shrunk) > 0.8 * len(same)
+    later = [row for where, row in _recorded_rows() if not where.startswith("call1/")]
+    assert all(len(row["warmup_us"]) == 2 for row in later)
+
+
+def test_candidate_tables_are_what_call3_measured_and_no_entry_lost() -> None:
+    from m3patch.tune.writer import read_table
+
+    runs = sorted(JUDGE_RUNS.glob("call3/bench-*run*.json"))
+    assert len(runs) == 2
+    for run in runs:
+        rows = json.loads(run.read_text())["rows"]
+        for table_path in JUDGED_TABLES.glob("E=*].json"):
+            prov = json.loads((table_path.parent / (table_path.name + ".provenance.json"))
+                              .read_text())
+            mine = {r["batch"]: r for r in rows if r["shape"] == prov["shape"]}
+            table = read_table(table_path)
+            assert sorted(mine) == sorted(table)
+            for batch, cfg in table.items():
+                assert mine[batch]["tuned_config"] == cfg.key, (run.name, batch)
+                assert mine[batch]["verdict"] != "loses", (run.name, batch)
+            assert set(prov["judge"]["per_batch"]) == {str(b) for b in table}
+    ep8 = json.loads(next(JUDGED_TABLES.glob("E=16,*.provenance.json")).read_text())
+    assert "--routing ep-rank --ep-ranks 8" in ep8["routing"]

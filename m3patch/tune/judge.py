@@ -85,9 +85,9 @@ class Judgement:
                 "tuned_us": round(self.tuned_us, 2), "default_us": round(self.default_us, 2),
                 "ratio": round(self.ratio, 4), "noise": round(self.noise, 4),
                 "verdict": self.verdict, "decision": self.decision,
-                "tuned_rounds_us": [round(t, 2) for t in self.tuned_rounds],
-                "default_rounds_us": [round(t, 2) for t in self.default_rounds],
-                "warmup_us": [round(t, 2) for t in self.warmup_us]}
+                "tuned_rounds_us": [round(t, 4) for t in self.tuned_rounds],
+                "default_rounds_us": [round(t, 4) for t in self.default_rounds],
+                "warmup_us": [round(t, 4) for t in self.warmup_us]}
 
 
 def _check_rounds(tuned: Sequence[float], default: Sequence[float]) -> None:
