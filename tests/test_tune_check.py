@@ -56,6 +56,8 @@ def test_a_given_shape_must_match_the_table_name(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"no .*provenance.json beside it"):
         shape_for_table(bare, None)
     assert shape_for_table(bare, EP8) == EP8
+    with pytest.raises(UsageError, match="no such table file"):
+        shape_for_table(tmp_path / "missing.json", EP8)
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(UsageError, match="not a vLLM fused-MoE table name"):
         shape_for_table(tmp_path / "x.json", EP8)

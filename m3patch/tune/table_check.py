@@ -33,6 +33,9 @@ def _name_sizes(table: Path) -> tuple[int, int]:
 
 def shape_for_table(table: Path, given: MoEShape | None) -> MoEShape:
     """The shape to judge `table` at: `given`, else the sidecar's; E and N must match the name."""
+    if not table.is_file():
+        msg = f"{table}: no such table file"
+        raise UsageError(msg, hint="pass the path of a table JSON (E=..,N=..,device_name=...json)")
     if given is None:
         sidecar = table.with_name(table.name + PROVENANCE_SUFFIX)
         hint = "pass the shape: --shape E,N,K,TOPK[,ep] (or --recipe / --model-config)"
@@ -67,8 +70,8 @@ def fail_on_losses(table: Path, judgements: Sequence[Judgement], json_path: Path
     msg = (f"{table}: {len(losing)} of {len(judgements)} entries are slower than vLLM's default "
            f"beyond the measured noise: {worst}; details in {json_path}")
     raise BenchFailed(msg, hint="re-tune on this GPU (`m3patch tune ...`: its judge keeps the "
-                                "default where the tuned config does not win), or delete "
-                                "those entries' table")
+                                "default where the tuned config does not win), or remove "
+                                "the table so that vLLM falls back to its default")
 
 
 def table_entries(table: Path) -> dict[int, TileConfig]:
