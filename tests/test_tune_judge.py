@@ -227,3 +227,34 @@ def test_candidate_tables_are_what_call3_measured_and_no_entry_lost() -> None:
             assert set(prov["judge"]["per_batch"]) == {str(b) for b in table}
     ep8 = json.loads(next(JUDGED_TABLES.glob("E=16,*.provenance.json")).read_text())
     assert "--routing ep-rank --ep-ranks 8" in ep8["routing"]
+
+
+class _ScriptedBench(_ReplayBench):
+    """The tuner's view of a bench (shape, cache key, setup/check/time) replaying scripted
+    timings per config in call order: quick, refine, then the judge's rounds."""
+
+    def __init__(self, tuned: TileConfig, timings: dict[TileConfig, list[float]]) -> None:
+        from m3patch.tune.shapes import MoEShape
+
+        super().__init__(tuned, timings)
+        self.shape = MoEShape(16, 3072, 6144, 4, "fp8_w8a8", (128, 128), True)
+        self.cache_key = self.shape.key
+
+
+@pytest.mark.parametrize(("judged_us", "expect_tuned"), [(104.0, False), (97.0, True)])
+def test_the_tuners_final_choice_is_the_judges(judged_us: float, expect_tuned: bool) -> None:
+    """The refine step times the pick faster than the default either way; the judge's
+    head-to-head decides what the table gets."""
+    pytest.importorskip("torch")
+    from m3patch.tune.cache import ResultCache
+    from m3patch.tune.tuner import Progress, TuneOptions, tune_batch
+
+    pick, default = TileConfig(16, 64, 128, 1, 4, 5), TileConfig(16, 64, 128, 1, 4, 4)
+    bench = _ScriptedBench(pick, {pick: [90.0, 95.0, 100.0] + [judged_us] * 6,
+                                  default: [100.0, 100.0, 100.0] + [100.0] * 6})
+    best = tune_batch(bench, 16, [pick, default], ResultCache(None),  # type: ignore[arg-type]
+                      TuneOptions(refine_top=1), Progress(2, "t"), default)
+    assert best is not None and best.judgement is not None
+    assert best.judgement.verdict == ("wins" if expect_tuned else "loses")
+    assert best.config == (pick if expect_tuned else default)
+    assert best.us == pytest.approx(judged_us if expect_tuned else 100.0)
