@@ -17,7 +17,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 11   | ReadyTimeout          | vllm serve was not ready by the ready deadline                 |
 | 12   | MarkerMissing         | a required backend marker never appeared (or wrong count)      |
 | 13   | MarkerForbidden       | a forbidden backend marker appeared                            |
-| 14   | BenchFailed           | a sweep cell failed (failed requests, short count, deadline)   |
+| 14   | BenchFailed           | a sweep cell failed; a `tune --check` entry loses to default   |
 | 15   | RunDeadline           | the whole run passed its deadline                              |
 | 16   | ChangelogInvalid      | perf-changelog.yaml breaks the schema or append-only rules     |
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |

@@ -1,7 +1,9 @@
-"""Ship-table step for issue 7: per batch size keep whichever of the tuned config and vLLM's
-default measured faster in the interleaved bench (bench.json), so a shipped table is never
-slower than the fallback on that measurement; then write the table and its provenance (with
-the routing convention the timings assume, added when the tuner that made them did not record it).
+"""Ship-table step for tables tuned before the judge: per batch size keep the judge's decision
+recorded in bench.json (scripts/bench_moe_tables.py: the tuned config only where it wins beyond
+the noise), or, in a bench.json from before the judge, whichever of tuned and vLLM's default
+measured faster; then write the table and its provenance (with the routing convention the
+timings assume, added when the tuner that made them did not record it). Tables tuned with the
+judge need no merge: the tuner's final choice per batch is already the judge's.
 
     python3 scripts/merge_moe_tables.py TUNED_DIR BENCH_JSON OUT_DIR
 """
@@ -32,7 +34,8 @@ def main(tuned_dir: Path, bench: Path, out_dir: Path) -> None:
         tuned = read_table(table_path)
         picked, choice = {}, {}
         for row in (r for r in rows if r["shape"] == prov["shape"]):
-            use_default = row["default_us"] < row["tuned_us"]
+            use_default = (row["decision"] == "default" if "decision" in row
+                           else row["default_us"] < row["tuned_us"])
             key = row["default_config"] if use_default else row["tuned_config"]
             picked[row["batch"]] = TileConfig.from_key(key)
             choice[str(row["batch"])] = {"kept": "vllm-default" if use_default else "tuned",
@@ -42,8 +45,10 @@ def main(tuned_dir: Path, bench: Path, out_dir: Path) -> None:
         (out_dir / table_path.name).write_text(
             json.dumps(table_dict(picked, prov["triton"]), indent=4) + "\n")
         prov.setdefault("routing", ROUTING_EP if prov["shape"].endswith(",ep") else ROUTING_DENSE)
-        prov["selection"] = {"rule": "faster of tuned and vLLM default per batch size, from "
-                                     "scripts/bench_moe_tables.py (bench.json)", "per_batch": choice}
+        rule = ("the judge's decision per batch size" if all("decision" in r for r in rows)
+                else "faster of tuned and vLLM default per batch size")
+        prov["selection"] = {"rule": f"{rule}, from scripts/bench_moe_tables.py (bench.json)",
+                             "per_batch": choice}
         (out_dir / (table_path.name + PROVENANCE_SUFFIX)).write_text(json.dumps(prov, indent=2) + "\n")
 
 

@@ -3,7 +3,10 @@
 Shapes come from a recipe (`--recipe R.yaml`: its model's config.json and its TP/DP/EP and
 shared-expert fusion), a model config (`--model-config config.json --tp 8 [--ep]`) or are
 given (`--shape E,N,K,TOPK`, repeatable). `--plan` prints the shapes, table names and search
-space and stops. torch/triton are imported only once arguments are valid.
+space and stops. `--check TABLE` judges an existing table on this GPU instead: every entry
+head to head with vLLM's default (m3patch/tune/judge.py), a table printed, JSON written, exit
+14 (BenchFailed) when an entry loses beyond the measured noise. torch/triton are imported
+only once arguments are valid.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from m3patch.errors import UsageError
+from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS
+from m3patch.tune.routing import KINDS, routing_for
 from m3patch.tune.shapes import (
     MoEShape,
     check_dtype,
@@ -61,6 +67,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--device-name", help="device name for the file name (default: this GPU's)")
     how.add_argument("--plan", action="store_true",
                      help="print shapes, table file names and search-space sizes; no GPU")
+    how.add_argument("--routing", choices=KINDS, default="bench",
+                     help="bench: vLLM's benchmark convention (the shipped tables'); ep-rank: "
+                          "top-k over all E x R experts, only this rank's pairs (EP shapes)")
+    how.add_argument("--ep-ranks", type=int, metavar="R",
+                     help="expert-parallel ranks for --routing ep-rank (8 for TP8+EP8)")
+    how.add_argument("--judge-rounds", type=int, default=DEFAULT_ROUNDS,
+                     help="head-to-head rounds against vLLM's default per batch size")
+    check = parser.add_argument_group("check an existing table")
+    check.add_argument("--check", type=Path, metavar="TABLE",
+                       help="judge every entry of TABLE against vLLM's default on this GPU; "
+                            "exit 14 if one loses beyond the noise (shape from its "
+                            ".provenance.json, or the shape options)")
+    check.add_argument("--check-json", type=Path, metavar="PATH",
+                       help="where --check writes its JSON (default OUT-DIR/<table>.check.json)")
+    check.add_argument("--judge-reps", type=int, default=30,
+                       help="graph replays per timing in --check")
 
 
 def _block(dtype: str, text: str) -> tuple[int, int] | None:
@@ -122,7 +144,10 @@ def _print_plan(shapes: tuple[MoEShape, ...], batches: tuple[int, ...], axes: Sp
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    for name in ("quick_reps", "refine_reps", "refine_top"):
+    if args.judge_rounds < MIN_ROUNDS:
+        msg = f"--judge-rounds must be >= {MIN_ROUNDS}: the noise comes from their spread"
+        raise UsageError(msg, hint=f"--judge-rounds {DEFAULT_ROUNDS}")
+    for name in ("quick_reps", "refine_reps", "refine_top", "judge_reps"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             msg = f"{flag} must be >= 1"
@@ -132,30 +157,88 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise UsageError(msg, hint="--workers 14")
 
 
+def _check_shape(args: argparse.Namespace) -> MoEShape:
+    from m3patch.tune.table_check import shape_for_table
+
+    given = None
+    if args.shape or args.recipe or args.model_config:
+        shapes = _shapes(args)
+        if len(shapes) != 1:
+            msg = "--check judges one table: give one --shape"
+            raise UsageError(msg, hint="m3patch tune --check TABLE --shape 16,3072,6144,4,ep")
+        given = shapes[0]
+    return shape_for_table(args.check, given)
+
+
+def _import_job() -> Any:
+    """The GPU side, imported only here (torch/triton: CLI commands stay light); no GPU or no
+    torch/triton is a usage error with one message, never a traceback."""
+    hint = "run it on the GPU machine the table is for, in the image with torch and triton"
+    try:
+        import torch
+    except ImportError as exc:
+        msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"
+        raise UsageError(msg, hint=hint) from None
+    if not torch.cuda.is_available():
+        msg = "m3patch tune needs a GPU: torch.cuda.is_available() is False on this machine"
+        raise UsageError(msg, hint=hint)
+    try:
+        from m3patch.tune import job
+    except ImportError as exc:
+        msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"
+        raise UsageError(msg, hint=hint) from None
+    return job
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from m3patch.tune.judge import format_table
+    from m3patch.tune.table_check import fail_on_losses
+
+    shape = _check_shape(args)
+    batches = None if args.batch_sizes == "default" else parse_batch_sizes(args.batch_sizes)
+    _check_counts(args)
+    routing = routing_for(args.routing, args.ep_ranks, (shape,))
+    json_path = args.check_json or args.out_dir / (args.check.name + ".check.json")
+    job = _import_job()
+    spec = job.CheckSpec(table=args.check, shape=shape, json_path=json_path,
+                         vllm_source=args.vllm_source, workers=args.workers,
+                         rounds=args.judge_rounds, reps=args.judge_reps, batches=batches,
+                         command=_command_line(), routing=routing)
+    judgements = job.run_check(spec)
+    print(format_table([(shape.key.split(",K=")[0], j) for j in judgements]))
+    print(f"wrote {json_path}")
+    fail_on_losses(args.check, judgements, json_path)
+    return 0
+
+
+def _command_line() -> str:
+    return "m3patch tune " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else [])
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return _run_check(args)
     shapes = _shapes(args)
     batches = parse_batch_sizes(args.batch_sizes)
     _check_counts(args)
+    routing = routing_for(args.routing, args.ep_ranks, shapes)
     axes: SpaceAxes = AXES[args.space]
     if args.plan:
         _print_plan(shapes, batches, axes, args.device_name)
         return 0
-    try:
-        from m3patch.tune.job import TuneSpec, run_tune
-        from m3patch.tune.tuner import TuneOptions
-    except ImportError as exc:
-        msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"
-        raise UsageError(msg, hint="run it in the image that has torch+triton and the GPU") from exc
+    job = _import_job()
+    from m3patch.tune.tuner import TuneOptions
 
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
-    spec = TuneSpec(
+    spec = job.TuneSpec(
         shapes=shapes, batches=batches, axes=axes, out_dir=args.out_dir,
         cache_path=args.cache or args.out_dir / "tune-cache.jsonl",
         vllm_source=args.vllm_source, workers=args.workers,
-        options=TuneOptions(args.quick_reps, args.refine_reps, args.refine_top, deadline),
+        options=TuneOptions(args.quick_reps, args.refine_reps, args.refine_top, deadline,
+                            args.judge_rounds),
         device_name=args.device_name,
-        command="m3patch tune " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []),
+        command=_command_line(), routing=routing,
     )
-    for path in run_tune(spec):
+    for path in job.run_tune(spec):
         print(path)
     return 0

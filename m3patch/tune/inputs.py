@@ -96,19 +96,28 @@ def dequant_tokens(q: Any, scale: Any | None, group: int = QUANT_GROUP) -> Any:
     return q.float() * scale.repeat_interleave(group, dim=-1)[:, : q.shape[1]]
 
 
-def random_routing(batch: int, shape: MoEShape, gen: Any, device: str) -> tuple[Any, Any]:
-    """Top-k distinct experts per token, uniformly: every expert about equally loaded."""
-    scores = torch.rand((batch, shape.num_experts), generator=gen, device=device)
+def random_routing(batch: int, shape: MoEShape, gen: Any, device: str,
+                   global_experts: int | None = None) -> tuple[Any, Any]:
+    """Top-k distinct experts per token, uniformly: every expert about equally loaded. With
+    `global_experts` (EP-rank routing) the ids are global; this rank holds 0..E-1."""
+    experts = global_experts or shape.num_experts
+    scores = torch.rand((batch, experts), generator=gen, device=device)
     weights, ids = scores.topk(shape.top_k, dim=-1)
     return ids.to(torch.int32), (weights / weights.sum(-1, keepdim=True)).float()
 
 
-def moe_align_block_size(topk_ids: Any, block_m: int, num_experts: int) -> Alignment:
+def moe_align_block_size(topk_ids: Any, block_m: int, num_experts: int,
+                         local_experts: int | None = None) -> Alignment:
     """vLLM's sort-and-pad: each expert's (token, slot) indices padded to block_m with the
-    pad id `topk_ids.numel()`, one expert id per M tile, and the padded total."""
+    pad id `topk_ids.numel()`, one expert id per M tile, and the padded total.
+
+    With `local_experts` (an expert map, `ignore_invalid_experts=True` as fused_experts passes
+    it) only pairs routed to global experts 0..local_experts-1 are counted and placed, while
+    the capacity stays sized for all `num_experts` global experts, as vLLM sizes it."""
     flat = topk_ids.reshape(-1).long()
     numel = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    local = num_experts if local_experts is None else local_experts
+    counts = torch.bincount(flat[flat < local], minlength=local)
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     capacity = numel + num_experts * (block_m - 1)
@@ -118,11 +127,13 @@ def moe_align_block_size(topk_ids: Any, block_m: int, num_experts: int) -> Align
     sorted_ids = torch.full((capacity,), numel, dtype=torch.int32, device=flat.device)
     order = torch.argsort(flat, stable=True)
     ranked = flat[order]
+    keep = ranked < local  # sorted by id: the local pairs come first
+    order, ranked = order[keep], ranked[keep]
     first = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(numel, device=flat.device) - first[ranked]
+    rank = torch.arange(order.numel(), device=flat.device) - first[ranked]
     sorted_ids[starts[ranked] + rank] = order.to(torch.int32)
     expert_ids = torch.zeros(capacity // block_m, dtype=torch.int32, device=flat.device)
-    tiles = torch.repeat_interleave(torch.arange(num_experts, device=flat.device),
+    tiles = torch.repeat_interleave(torch.arange(local, device=flat.device),
                                     padded // block_m)
     expert_ids[: tiles.numel()] = tiles.to(torch.int32)
     total = padded.sum().reshape(1).to(torch.int32)
@@ -141,24 +152,42 @@ def silu_and_mul(x: Any) -> Any:
 
 
 def expert_matmul(x: Any, weights: Any, topk_ids: Any, *, row_per_slot: bool) -> Any:
-    """out[t, s] = x[t*topk+s if row_per_slot else t] @ weights[topk_ids[t, s]].T, float32."""
+    """out[t, s] = x[t*topk+s if row_per_slot else t] @ weights[topk_ids[t, s]].T, float32;
+    pairs routed to an expert this rank does not hold (id >= E) stay zero."""
     batch, top_k = topk_ids.shape
     out = torch.zeros((batch, top_k, weights.shape[1]), dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
+        if expert >= weights.shape[0]:
+            continue
         tok, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
         rows = tok * top_k + slot if row_per_slot else tok
         out[tok, slot] = x[rows] @ weights[expert].T
     return out
 
 
-def make_problem(shape: MoEShape, batch: int, deq_w13: Any, gen: Any, device: str
-                 ) -> tuple[Problem, Any]:
+MAX_REDRAWS = 1000
+
+
+def _checkable_routing(batch: int, shape: MoEShape, gen: Any, device: str,
+                       global_experts: int | None) -> tuple[Any, Any]:
+    """Routing for the checked rotation set: with EP-rank routing at least one pair must land
+    on this rank, else the reference check would compare nothing."""
+    for _ in range(MAX_REDRAWS):
+        ids, weights = random_routing(batch, shape, gen, device, global_experts)
+        if bool((ids < shape.num_experts).any()):
+            return ids, weights
+    msg = f"no routing with a local pair in {MAX_REDRAWS} draws at M={batch}"
+    raise RuntimeError(msg)
+
+
+def make_problem(shape: MoEShape, batch: int, deq_w13: Any, gen: Any, device: str,
+                 global_experts: int | None = None) -> tuple[Problem, Any]:
     """Inputs for one rotation set, and GEMM1's float32 reference (GEMM2's input derives
     from it so that every config's GEMM2 sees the same input)."""
     fp8 = shape.dtype == "fp8_w8a8"
     hidden = torch.randn((batch, shape.hidden), generator=gen, device=device).to(torch.bfloat16)
     a, a_scale = per_token_group_quant_fp8(hidden) if fp8 else (hidden, None)
-    topk_ids, topk_weights = random_routing(batch, shape, gen, device)
+    topk_ids, topk_weights = _checkable_routing(batch, shape, gen, device, global_experts)
     ref1 = expert_matmul(dequant_tokens(a, a_scale), deq_w13, topk_ids, row_per_slot=False)
     act = silu_and_mul(ref1.to(torch.bfloat16).float()).reshape(batch * shape.top_k, -1)
     inter, inter_scale = per_token_group_quant_fp8(act) if fp8 else (act.to(torch.bfloat16), None)
@@ -171,12 +200,13 @@ def reference_gemm2(problem: Problem, deq_w2: Any) -> Any:
     return out * problem.topk_weights[..., None]
 
 
-def random_problem(shape: MoEShape, batch: int, gen: Any, device: str) -> Problem:
+def random_problem(shape: MoEShape, batch: int, gen: Any, device: str,
+                   global_experts: int | None = None) -> Problem:
     """Inputs with no reference: enough to compile and time a config."""
     fp8 = shape.dtype == "fp8_w8a8"
     hidden = torch.randn((batch, shape.hidden), generator=gen, device=device).to(torch.bfloat16)
     act = torch.randn((batch * shape.top_k, shape.width), generator=gen, device=device)
     a, a_scale = per_token_group_quant_fp8(hidden) if fp8 else (hidden, None)
     inter, inter_scale = per_token_group_quant_fp8(act) if fp8 else (act.to(torch.bfloat16), None)
-    topk_ids, topk_weights = random_routing(batch, shape, gen, device)
+    topk_ids, topk_weights = random_routing(batch, shape, gen, device, global_experts)
     return Problem(a, a_scale, inter, inter_scale, topk_ids, topk_weights)

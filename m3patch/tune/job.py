@@ -1,4 +1,5 @@
-"""One `m3patch tune` run: precompile, tune every shape, write tables. The effects live here.
+"""One `m3patch tune` run (precompile, tune every shape, write tables) or `tune --check` (judge
+every entry of a table against vLLM's default). The effects live here.
 
 Imports torch/triton (through runner) at module level: only the tune command imports this,
 and only inside `run()`.
@@ -10,24 +11,28 @@ import datetime
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import triton
 
-from m3patch.errors import RunDeadline, UsageError
+from m3patch.errors import BenchFailed, RunDeadline, UsageError
+from m3patch.fsio import write_json_atomic
 from m3patch.output import info
 from m3patch.tune import compile_pool
 from m3patch.tune.cache import ResultCache
+from m3patch.tune.judge import Judgement, measure
 from m3patch.tune.kernel_source import KernelSource, load_kernel
-from m3patch.tune.kernel_timer import MoEBench
+from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 from m3patch.tune.naming import default_config, table_file_name
+from m3patch.tune.routing import Routing
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import SpaceAxes, TileConfig, space_for_shape
+from m3patch.tune.table_check import report, table_entries
 from m3patch.tune.tile import launches_needed
 from m3patch.tune.tuner import BatchBest, Progress, TuneOptions, tune_shape
-from m3patch.tune.writer import Provenance, SearchRecord, write_table
+from m3patch.tune.writer import Provenance, SearchRecord, nearest_config, write_table
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,21 @@ class TuneSpec:
     device_name: str | None
     command: str
     precompile: bool = True
+    routing: Routing = field(default_factory=Routing)
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    table: Path
+    shape: MoEShape
+    json_path: Path
+    vllm_source: Path | None
+    workers: int
+    rounds: int
+    reps: int
+    batches: tuple[int, ...] | None  # None: the table's own batch sizes
+    command: str
+    routing: Routing = field(default_factory=Routing)
 
 
 def driver_version() -> str:
@@ -71,7 +91,7 @@ def _precompile(spec: TuneSpec, plans: list[dict[int, list[TileConfig]]],
     jobs = []
     for shape, plan in zip(spec.shapes, plans, strict=True):
         defaults = {batch: default_config(shape, batch, rocm=rocm) for batch in plan}
-        needed = launches_needed(cache, shape.key, plan, spec.options.refine_top, defaults)
+        needed = launches_needed(cache, spec.routing.for_shape(shape).cache_key(shape), plan, spec.options.refine_top, defaults)
         jobs += list(compile_pool.make_jobs(shape, needed, chunk=8))
     total = sum(len(job[2]) for job in jobs)
     progress = Progress(total, "compile")
@@ -96,7 +116,9 @@ def _provenance(spec: TuneSpec, source: KernelSource, shape: MoEShape,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         command=spec.command, kernel_origin=source.origin, kernel_sha256=source.source_sha256,
         shape=shape.key, timings_us={b: r.us for b, r in best.items()},
-        expert_parallel=shape.expert_parallel, search=search)
+        expert_parallel=shape.expert_parallel, search=search,
+        judged={b: r.judgement for b, r in best.items() if r.judgement is not None},
+        routing=spec.routing.for_shape(shape).describe(shape))
 
 
 def run_tune(spec: TuneSpec) -> list[Path]:
@@ -111,7 +133,7 @@ def run_tune(spec: TuneSpec) -> list[Path]:
     unfinished: list[str] = []
     device = spec.device_name or torch.cuda.get_device_name()
     for shape, plan in zip(spec.shapes, plans, strict=True):
-        bench = MoEBench(source.kernel, shape)
+        bench = MoEBench(source.kernel, shape, routing=spec.routing.for_shape(shape))
         progress = Progress(sum(len(c) for c in plan.values()), f"tune {shape.key}")
         with progress.running():
             best = tune_shape(bench, plan, cache, spec.options, progress, rocm=rocm)
@@ -131,3 +153,50 @@ def run_tune(spec: TuneSpec) -> list[Path]:
         raise RunDeadline(msg, hint=f"re-run the same command: finished results resume from "
                                     f"{spec.cache_path}")
     return written
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _precompile_pairs(spec: CheckSpec, pairs: dict[int, tuple[TileConfig, TileConfig]]) -> None:
+    plan = {b: sorted(set(pair)) for b, pair in pairs.items()}
+    jobs = list(compile_pool.make_jobs(spec.shape, plan, chunk=2))
+    started = time.monotonic()
+    failures = compile_pool.precompile(jobs, workers=spec.workers, vllm_source=spec.vllm_source,
+                                       on_done=lambda _n: None)
+    info(f"precompiled {sum(len(job[2]) for job in jobs)} launches in "
+         f"{time.monotonic() - started:.0f} s; {len(failures)} failed (judged below)")
+
+
+def run_check(spec: CheckSpec) -> list[Judgement]:
+    """Judge every entry of spec.table against vLLM's default on this GPU; write the JSON."""
+    _require_gpu()
+    entries = table_entries(spec.table)
+    source = load_kernel(spec.vllm_source)
+    rocm = _on_rocm()
+    batches = spec.batches or tuple(sorted(entries))
+    pairs = {b: (nearest_config(entries, b), default_config(spec.shape, b, rocm=rocm))
+             for b in batches}
+    if spec.workers > 0:
+        _precompile_pairs(spec, pairs)
+    routing = spec.routing.for_shape(spec.shape)
+    bench = MoEBench(source.kernel, spec.shape, routing=routing)
+    judgements = []
+    for batch, (entry, default) in pairs.items():
+        try:
+            verdict = measure(bench, batch, entry, default, rounds=spec.rounds, reps=spec.reps)
+        except ConfigFailed as exc:
+            msg = f"{spec.table}: entry for M={batch} cannot run here: {exc}"
+            raise BenchFailed(msg, hint="re-tune on this GPU with `m3patch tune`") from None
+        info(f"M={batch}: {verdict.verdict} (t/d {verdict.ratio:.3f}, noise "
+             f"{100 * verdict.noise:.1f}%)")
+        judgements.append(verdict)
+    env = {"device": torch.cuda.get_device_name(), "driver": driver_version(),
+           "torch": torch.__version__, "triton": triton.__version__, "date": _utc_now(),
+           "command": spec.command, "kernel_origin": source.origin,
+           "rounds": str(spec.rounds), "reps": str(spec.reps)}
+    spec.json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(spec.json_path, report(spec.table, spec.shape,
+                                             routing.describe(spec.shape), judgements, env))
+    return judgements

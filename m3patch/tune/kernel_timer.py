@@ -18,6 +18,7 @@ import torch
 
 from m3patch.tune import inputs
 from m3patch.tune.launch import GemmArgs, launch
+from m3patch.tune.routing import Routing
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig, uses_naive_assignment
 
@@ -47,26 +48,31 @@ def l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 * 2**20))
 
 
-def bytes_touched(shape: MoEShape, batch: int) -> float:
-    """Expected weight bytes one GEMM1+GEMM2 pass reads (experts hit under uniform routing)."""
+def bytes_touched(shape: MoEShape, batch: int, routing: Routing | None = None) -> float:
+    """Expected weight bytes one GEMM1+GEMM2 pass reads (local experts hit under uniform
+    routing over the global experts)."""
     elem = 1 if shape.dtype == "fp8_w8a8" else 2
     per_expert = 3 * shape.width * shape.hidden * elem
-    miss = (1 - shape.top_k / shape.num_experts) ** batch
+    experts = (routing or Routing()).global_experts(shape)
+    miss = (1 - shape.top_k / experts) ** batch
     return shape.num_experts * (1 - miss) * per_expert
 
 
-def rotations_for(shape: MoEShape, batch: int) -> int:
-    need = L2_ROTATE_FACTOR * l2_bytes() / max(bytes_touched(shape, batch), 1.0)
+def rotations_for(shape: MoEShape, batch: int, routing: Routing | None = None) -> int:
+    need = L2_ROTATE_FACTOR * l2_bytes() / max(bytes_touched(shape, batch, routing), 1.0)
     return max(2, min(MAX_ROTATIONS, math.ceil(need)))
 
 
 class MoEBench:
     """Weights for one shape, inputs per batch size, and check/time of configs."""
 
-    def __init__(self, kernel: Any, shape: MoEShape, *, seed: int = 0) -> None:
+    def __init__(self, kernel: Any, shape: MoEShape, *, seed: int = 0,
+                 routing: Routing | None = None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         self.kernel = kernel
         self.shape = shape
+        self.routing = routing or Routing()
+        self.cache_key = self.routing.cache_key(shape)
         self.device = "cuda"
         self.capability = torch.cuda.get_device_capability()
         self.weights = inputs.make_weights(shape, self.device, seed)
@@ -81,11 +87,12 @@ class MoEBench:
         shape, dev = self.shape, self.device
         gen = torch.Generator(device=dev).manual_seed(self.seed * 1000003 + batch)
         deq13, deq2 = inputs.dequantized(self.weights, shape)
-        first, ref1 = inputs.make_problem(shape, batch, deq13, gen, dev)
+        experts = self.routing.global_experts(shape)
+        first, ref1 = inputs.make_problem(shape, batch, deq13, gen, dev, experts)
         ref2 = inputs.reference_gemm2(first, deq2)
         del deq13, deq2
-        count = rotations if rotations is not None else rotations_for(shape, batch)
-        problems = [first] + [inputs.random_problem(shape, batch, gen, dev)
+        count = rotations if rotations is not None else rotations_for(shape, batch, self.routing)
+        problems = [first] + [inputs.random_problem(shape, batch, gen, dev, experts)
                               for _ in range(count - 1)]
         c1 = [torch.empty((batch, shape.top_k, 2 * shape.width), dtype=torch.bfloat16,
                           device=dev) for _ in problems]
@@ -99,7 +106,9 @@ class MoEBench:
             naive = uses_naive_assignment(self.shape, setup.batch)
             setup.aligned[block_m] = [
                 inputs.naive_alignment(p.topk_ids, block_m) if naive
-                else inputs.moe_align_block_size(p.topk_ids, block_m, self.shape.num_experts)
+                else inputs.moe_align_block_size(p.topk_ids, block_m,
+                                                 self.routing.global_experts(self.shape),
+                                                 self.shape.num_experts)
                 for p in setup.problems]
         return setup.aligned[block_m]
 
@@ -124,7 +133,9 @@ class MoEBench:
         except Exception as exc:  # compile errors, OutOfResources: the config is unusable
             msg = f"{cfg.key}: {type(exc).__name__}: {str(exc)[:200]}"
             raise ConfigFailed(msg) from exc
-        errors = [relative_error(setup.c1[0], setup.ref1), relative_error(setup.c2[0], setup.ref2)]
+        local = setup.problems[0].topk_ids < self.shape.num_experts  # pairs this rank computes
+        errors = [relative_error(setup.c1[0][local], setup.ref1[local]),
+                  relative_error(setup.c2[0][local], setup.ref2[local])]
         worst = max(errors)
         if not worst <= TOLERANCE:  # also catches NaN: an unwritten or poisoned element
             msg = f"{cfg.key}: relative error {worst:.3g} > {TOLERANCE}"
@@ -156,6 +167,12 @@ class MoEBench:
         del graph
         per_pass = [s.elapsed_time(e) * 1000 / len(setup.problems) for s, e in zip(starts, ends, strict=True)]
         return float(statistics.median(per_pass))
+
+
+def experts_hit(setup: BatchSetup, local_experts: int) -> float:
+    """Mean number of this rank's experts a rotation set routes to (for the weight-read floor)."""
+    return statistics.mean(
+        int(torch.unique(p.topk_ids[p.topk_ids < local_experts]).numel()) for p in setup.problems)
 
 
 def relative_error(out: Any, ref: Any) -> float:

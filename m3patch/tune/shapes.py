@@ -131,3 +131,22 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         msg = f"--batch-sizes {text!r} is not a list of positive integers"
         raise UsageError(msg, hint="use --batch-sizes 1,16,256 or --batch-sizes default")
     return tuple(sizes)
+
+
+_SHAPE_KEY = re.compile(r"E=(\d+),N=(\d+),K=(\d+),topk=(\d+),dtype=(\w+),block=(none|\d+x\d+)(,ep)?")
+
+
+def shape_from_key(key: str, where: str) -> MoEShape:
+    """Inverse of `MoEShape.key` (the `shape` a table's provenance sidecar records)."""
+    match = _SHAPE_KEY.fullmatch(key) if isinstance(key, str) else None
+    if match is None or match[5] not in DTYPES:
+        msg = (f"{where}: shape {key!r} is not a tuner shape key like "
+               "E=16,N=3072,K=6144,topk=4,dtype=fp8_w8a8,block=128x128,ep")
+        raise UsageError(msg, hint="pass the shape yourself: --shape E,N,K,TOPK[,ep]")
+    block = None if match[6] == "none" else tuple(int(v) for v in match[6].split("x"))
+    experts, width, hidden, top_k = (int(match[i]) for i in range(1, 5))
+    if min(experts, width, hidden, top_k) < 1 or top_k > experts:
+        msg = f"{where}: shape {key!r} has a zero size or top-k above the expert count"
+        raise UsageError(msg, hint="pass the shape yourself: --shape E,N,K,TOPK[,ep]")
+    return MoEShape(experts, width, hidden, top_k, match[5], block,  # type: ignore[arg-type]
+                    match[7] is not None)

@@ -1,4 +1,5 @@
-"""Tune one shape: per batch size, check every config, time it briefly, refine the best few.
+"""Tune one shape: per batch size, check every config, time it briefly, refine the best few,
+then let the judge (judge.py) decide between the fastest refined config and vLLM's default.
 
 Every finished measurement goes to the resumable cache first; a run past its deadline stops
 between configs and reports which batch sizes it finished.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3patch.tune.cache import Result, ResultCache
+from m3patch.tune.judge import DEFAULT_ROUNDS, Judgement, measure
 from m3patch.tune.kernel_timer import ConfigFailed, MoEBench
 from m3patch.tune.naming import default_config
 from m3patch.tune.shapes import MoEShape
@@ -27,6 +29,7 @@ class TuneOptions:
     refine_reps: int = 25
     refine_top: int = 4
     deadline: float | None = None  # time.monotonic() value
+    judge_rounds: int = DEFAULT_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class BatchBest:
     failed: int
     resumed: int = 0  # quick results taken from the cache instead of timed in this run
     default_us: float | None = None  # vLLM's default, refined beside the best quick picks
+    judgement: Judgement | None = None  # the final choice: fastest refined vs the default
 
 
 class Progress:
@@ -97,10 +101,10 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
         if _past(opts.deadline):
             return None
         progress.advance()
-        if cache.failed(shape.key, batch, cfg.key):
+        if cache.failed(bench.cache_key, batch, cfg.key):
             quick.failed += 1
             continue
-        hit = cache.get(shape.key, batch, cfg.key, "quick")
+        hit = cache.get(bench.cache_key, batch, cfg.key, "quick")
         if hit is not None and hit.us is not None:
             timed.append((hit.us, cfg))
             quick.resumed += 1
@@ -109,11 +113,11 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
         try:
             error = bench.check(setup, cfg)
         except ConfigFailed as exc:
-            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            cache.add(Result(bench.cache_key, batch, cfg.key, "failed", None, note=str(exc)))
             quick.failed += 1
             continue
         us = bench.time(setup, cfg, opts.quick_reps)
-        cache.add(Result(shape.key, batch, cfg.key, "quick", us, error))
+        cache.add(Result(bench.cache_key, batch, cfg.key, "quick", us, error))
         timed.append((us, cfg))
     timed.sort()
     return quick
@@ -122,13 +126,13 @@ def _quick_pass(bench: MoEBench, shape: MoEShape, batch: int, configs: list[Tile
 def _refine(bench: MoEBench, batch: int, cfg: TileConfig, cache: ResultCache,
             opts: TuneOptions) -> float | None:
     """The refine timing of one config (cached or measured now); None past the deadline."""
-    hit = cache.get(bench.shape.key, batch, cfg.key, "refine")
+    hit = cache.get(bench.cache_key, batch, cfg.key, "refine")
     if hit is not None and hit.us is not None:
         return hit.us
     if _past(opts.deadline):
         return None
     us = bench.time(bench.setup(batch), cfg, opts.refine_reps)
-    cache.add(Result(bench.shape.key, batch, cfg.key, "refine", us))
+    cache.add(Result(bench.cache_key, batch, cfg.key, "refine", us))
     return us
 
 
@@ -147,7 +151,7 @@ def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: Re
         try:
             us = _refine(bench, batch, cfg, cache, opts)
         except ConfigFailed as exc:  # a resumed quick result that fails its check here
-            cache.add(Result(shape.key, batch, cfg.key, "failed", None, note=str(exc)))
+            cache.add(Result(bench.cache_key, batch, cfg.key, "failed", None, note=str(exc)))
             progress.log(f"{shape.key} M={batch}: {exc}")
             continue
         if us is None:
@@ -158,11 +162,32 @@ def tune_batch(bench: MoEBench, batch: int, configs: list[TileConfig], cache: Re
         return None
     best_us, best = min(refined)
     default_us = next((us for us, cfg in refined if cfg == default), None)
+    verdict = _judge(bench, batch, best, default, opts, progress)
+    config, us = best, best_us
+    if verdict is not None:
+        config = TileConfig.from_key(verdict.chosen)
+        us = verdict.tuned_us if verdict.decision == "tuned" else verdict.default_us
     progress.log(f"{shape.key} M={batch}: best {best.key} {best_us:.1f} us "
                  f"({len(quick.timed)} timed, {quick.resumed} of them resumed, "
-                 f"{quick.failed} failed)")
-    return BatchBest(batch, best, best_us, len(quick.timed), quick.failed, quick.resumed,
-                     default_us)
+                 f"{quick.failed} failed)"
+                 + (f"; judge: {verdict.verdict} (t/d {verdict.ratio:.3f} +- "
+                    f"{100 * verdict.noise:.1f}%) -> {config.key}" if verdict else ""))
+    return BatchBest(batch, config, us, len(quick.timed), quick.failed, quick.resumed,
+                     default_us, verdict)
+
+
+def _judge(bench: MoEBench, batch: int, best: TileConfig, default: TileConfig | None,
+           opts: TuneOptions, progress: Progress) -> Judgement | None:
+    """The final choice, head to head with the default; None where no default is known or it
+    fails its own reference check (the tuned pick then stands, and the log says so)."""
+    if default is None:
+        return None
+    try:
+        return measure(bench, batch, best, default, rounds=opts.judge_rounds,
+                       reps=opts.refine_reps)
+    except ConfigFailed as exc:
+        progress.log(f"{bench.shape.key} M={batch}: cannot judge against the default: {exc}")
+        return None
 
 
 def tune_shape(bench: MoEBench, plan: dict[int, list[TileConfig]], cache: ResultCache,

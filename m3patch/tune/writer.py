@@ -16,25 +16,16 @@ from typing import Any
 
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import write_json_atomic
+from m3patch.tune.judge import JUDGE_RULE, Judgement
+from m3patch.tune.routing import ROUTING_DENSE, ROUTING_EP
 from m3patch.tune.space import TileConfig
+
+__all__ = ["PROVENANCE_SUFFIX", "ROUTING_DENSE", "ROUTING_EP", "Provenance", "SearchRecord",
+           "nearest_config", "read_table", "table_dict", "write_table"]
 
 PROVENANCE_SUFFIX = ".provenance.json"
 TABLE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
               "num_stages")
-
-
-ROUTING_DENSE = (
-    "each of the M tokens picks top_k distinct experts of the E uniformly at random; below "
-    "M*top_k*4 <= E the kernel runs vLLM 0.33.0's naive one-token-per-tile path, as vLLM does")
-ROUTING_EP = (
-    "vLLM's benchmark convention for expert parallelism (benchmarks/kernels/benchmark_moe.py "
-    "--enable-expert-parallel): one rank is tuned as a standalone MoE of its E local experts; "
-    "each of the M tokens picks top_k distinct experts among those E uniformly at random, "
-    "aligned over the E local experts with no expert map, so the rank does M*top_k (token, "
-    "expert) pairs. In a real deployment with EP over R ranks every rank sees all M tokens but "
-    "only about M*top_k/R of the pairs are local (the expert map masks the rest, aligned over "
-    "the global expert count), so the row for batch M was picked for about R times the "
-    "per-expert work the rank does at batch M (R=8 for M3 TP8+EP8)")
 
 
 @dataclass(frozen=True)
@@ -63,6 +54,8 @@ class Provenance:
     timings_us: Mapping[int, float]
     expert_parallel: bool = False
     search: Mapping[int, SearchRecord] = field(default_factory=dict)
+    judged: Mapping[int, Judgement] = field(default_factory=dict)
+    routing: str = ""  # routing.Routing.describe(); empty: the benchmark convention
 
 
 def table_dict(best: Mapping[int, TileConfig], triton_version: str) -> dict[str, Any]:
@@ -78,10 +71,12 @@ def provenance_dict(prov: Provenance) -> dict[str, Any]:
         "torch": prov.torch, "triton": prov.triton, "date": prov.date, "command": prov.command,
         "kernel": {"origin": prov.kernel_origin, "fused_moe_py_sha256": prov.kernel_sha256},
         "shape": prov.shape,
-        "routing": ROUTING_EP if prov.expert_parallel else ROUTING_DENSE,
+        "routing": prov.routing or (ROUTING_EP if prov.expert_parallel else ROUTING_DENSE),
         "median_us_gemm1_plus_gemm2": {str(b): round(us, 2)
                                        for b, us in sorted(prov.timings_us.items())},
         "search": {str(b): _search_dict(rec) for b, rec in sorted(prov.search.items())},
+        "judge": {"rule": JUDGE_RULE,
+                  "per_batch": {str(b): j.to_dict() for b, j in sorted(prov.judged.items())}},
     }
 
 
