@@ -88,3 +88,28 @@ def test_real_series_folders_lock(name: str, tmp_path: Path, m3patch_cli: CliRun
     proc = m3patch_cli("series", "lock", "--series", str(series), "--pristine", timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert load_series(series).lock is not None
+
+
+def test_default_series_lookup_checkout_then_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   ) -> None:
+    """--series, $M3PATCH_SERIES, ./patches/vllm-<base>, then the series shipped with m3patch
+    (the checkout's patches/, or in an installed wheel its bundled copy)."""
+    from m3patch.patching import series as series_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("M3PATCH_SERIES", raising=False)
+    shipped = series_mod.find_series_dir(None, "0.33.0+cpu")
+    assert shipped.resolve() == REPO / "patches" / "vllm-0.33.0"
+    bundled = tmp_path / "wheel" / "_shipped" / "patches"
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", bundled / "vllm-0.33.0")
+    monkeypatch.setattr(series_mod, "shipped_dir", lambda kind: bundled)  # as installed
+    assert series_mod.find_series_dir(None, "0.33.0") == bundled / "vllm-0.33.0"
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", tmp_path / "patches" / "vllm-0.33.0")
+    assert series_mod.find_series_dir(None, "0.33.0") == Path("patches/vllm-0.33.0")
+    monkeypatch.setenv("M3PATCH_SERIES", "/from/env")
+    assert series_mod.find_series_dir(None, "0.33.0") == Path("/from/env")
+    assert series_mod.find_series_dir(Path("/explicit"), "0.33.0") == Path("/explicit")
+    monkeypatch.delenv("M3PATCH_SERIES")
+    with pytest.raises(errors.UsageError, match=r"no series for vLLM 0\.99\.0") as caught:
+        series_mod.find_series_dir(None, "0.99.0")
+    assert caught.value.hint == "pass --series DIR, or write the series for this version"

@@ -67,3 +67,43 @@ def test_offset_applied_tree_is_applied_not_drifted(
     assert code == 0, err
     files = {f["path"]: f["state"] for f in json.loads(out)["files"]}
     assert files[LOGGER] == "applied (offset)"
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_status_and_verify_report_an_interrupted_transaction_and_write_nothing(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    """A real apply killed mid-commit leaves a journal; the read side only reports it (exit 5,
+    exit 6), and the tree, journal included, is byte-identical afterwards; apply recovers."""
+    args = ("--vllm-root", str(vllm_tree), "--series", str(test_series))
+    killed = m3patch_cli("apply", *args, env={"M3PATCH_FAULT": "kill-after:12"})
+    assert killed.returncode < 0, killed.stderr
+    before = _tree_bytes(vllm_tree)
+    assert "vllm/.m3patch/journal.json" in before
+    code, out, err = status(m3patch_cli, vllm_tree, test_series, "--json")
+    assert code == errors.PatchConflict.exit_code, err
+    assert json.loads(out)["interrupted"] is True and "interrupted transaction" in err
+    verify = m3patch_cli("verify", *args)
+    assert verify.returncode == errors.VerifyFailed.exit_code, verify.stderr
+    assert "interrupted transaction is pending" in verify.stderr
+    assert _tree_bytes(vllm_tree) == before
+    rerun = m3patch_cli("apply", "--verify", *args)
+    assert rerun.returncode == 0 and "interrupted transaction" in rerun.stderr, rerun.stderr
+    assert status(m3patch_cli, vllm_tree, test_series)[0] == 0
+
+
+def test_dry_runs_take_no_lock_and_create_nothing(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    args = ("--vllm-root", str(vllm_tree), "--series", str(test_series))
+    before = _tree_bytes(vllm_tree)
+    dry = m3patch_cli("apply", "--dry-run", *args)
+    assert dry.returncode == 0 and "would write vllm/logger.py" in dry.stdout, dry.stderr
+    assert not (vllm_tree / "vllm/.m3patch").exists()
+    assert _tree_bytes(vllm_tree) == before
+    assert m3patch_cli("apply", *args).returncode == 0
+    before = _tree_bytes(vllm_tree)
+    dry = m3patch_cli("revert", "--dry-run", *args)
+    assert dry.returncode == 0 and "would restore vllm/logger.py" in dry.stdout, dry.stderr
+    assert _tree_bytes(vllm_tree) == before

@@ -2,7 +2,8 @@
 
 Exit 0 when every file is pristine or applied (the series may be partly applied, patch by patch);
 exit 5 (PatchConflict) when any file is partially applied, drifted, or already upstream, i.e. a
-state that neither `apply` nor `revert` takes as it is. The report is printed either way.
+state that neither `apply` nor `revert` takes as it is, or when a killed run's transaction is
+pending (status only reports it: apply or revert recovers it). The report is printed either way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from m3patch.commands.common import add_series_option, add_tree_options, say, tr
 from m3patch.errors import PatchConflict
 
 if TYPE_CHECKING:
-    from m3patch.patching.tree_state import StatusReport
+    from m3patch.patching.status import StatusReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         say(json.dumps(report.to_json(), indent=2))
     else:
         _print_tables(report, f"{series.id} on {tree.root} (vLLM {tree.version})")
+    if report.interrupted:
+        msg = "an interrupted transaction is pending in vllm/.m3patch/journal.json"
+        raise PatchConflict(msg, hint="m3patch apply (or m3patch revert) completes or rolls it back")
     if report.conflicts:
         msg = (f"{len(report.conflicts)} file(s) that neither apply nor revert can take: "
                + ", ".join(report.conflicts))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from m3patch import __version__
 from m3patch.errors import TreeIOError
+from m3patch.patching.states import Mode
 
 LEDGER_SCHEMA = 1
 STATE_DIR = ".m3patch"
@@ -60,7 +61,7 @@ class Ledger:
     schema: int
     tool: str
     series: str
-    mode: str  # 'strict' | 'offset'
+    mode: Mode  # strict | offset
     vllm_version: str
     vllm_commit: str | None
     version_note: str
@@ -73,7 +74,7 @@ class Ledger:
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
-def new_ledger(*, series: str, mode: str, vllm_version: str, vllm_commit: str | None,
+def new_ledger(*, series: str, mode: Mode, vllm_version: str, vllm_commit: str | None,
                version_note: str, patches: tuple[str, ...],
                files: tuple[LedgerFile, ...]) -> Ledger:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -88,6 +89,13 @@ def _dirs(raw: object) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def _mode(raw: object) -> Mode:
+    if raw not in (Mode.STRICT, Mode.OFFSET):
+        msg = f"'mode' must be 'strict' or 'offset', not {raw!r}"
+        raise ValueError(msg)
+    return Mode(raw)
+
+
 def parse_ledger(data: bytes, where: str) -> Ledger:
     try:
         raw = json.loads(data)
@@ -96,7 +104,7 @@ def parse_ledger(data: bytes, where: str) -> Ledger:
             raise TreeIOError(msg, hint="m3patch revert with the m3patch that wrote it")
         files = tuple(LedgerFile(f["path"], f["pre"], f["post"], _dirs(f.get("dirs", [])))
                       for f in raw["files"])
-        return Ledger(raw["schema"], raw["tool"], raw["series"], raw["mode"],
+        return Ledger(raw["schema"], raw["tool"], raw["series"], _mode(raw["mode"]),
                       raw["vllm_version"], raw["vllm_commit"], raw["version_note"],
                       tuple(raw["patches"]), files, raw["time"])
     except (ValueError, KeyError, TypeError) as exc:
