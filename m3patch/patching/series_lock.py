@@ -8,7 +8,6 @@ check every .patch against its pin (`pinned`) before trusting a byte of it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from m3patch.errors import UsageError
 from m3patch.fsio import read_json, write_json_atomic
 from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
-from m3patch.patching.ledger import digest
+from m3patch.patching.ledger import SHA256_RE, digest
 from m3patch.patching.locate import VllmTree, check_target
 
 if TYPE_CHECKING:
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
