@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core_helpers import CliRunner, replace_file
+from core_helpers import REPO, CliRunner, replace_file
 
 from m3patch import errors
 from m3patch.patching.api import apply_series
@@ -107,3 +107,32 @@ def test_dry_runs_take_no_lock_and_create_nothing(
     dry = m3patch_cli("revert", "--dry-run", *args)
     assert dry.returncode == 0 and "would restore vllm/logger.py" in dry.stdout, dry.stderr
     assert _tree_bytes(vllm_tree) == before
+
+
+MODELOPT = "vllm/model_executor/layers/quantization/modelopt.py"
+
+
+def test_a_missing_patched_file_is_named_and_exits_5(
+        vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    """Status comes from the files, never from absence: with the shipped 0.33.0 series, a deleted
+    patched file is "missing" (exit 5, named) on a patched tree and on a pristine tree without a
+    ledger; verify agrees (exit 6)."""
+    series = str(REPO / "patches" / "vllm-0.33.0")
+    args = ("--vllm-root", str(vllm_tree), "--series", series)
+    for applied in (True, False):
+        if applied:
+            assert m3patch_cli("apply", *args).returncode == 0
+        before = (vllm_tree / MODELOPT).read_bytes()
+        (vllm_tree / MODELOPT).unlink()
+        code, out, err = status(m3patch_cli, vllm_tree, Path(series), "--json")
+        assert code == errors.PatchConflict.exit_code, err
+        report = json.loads(out)
+        assert report["conflicts"] == [MODELOPT]
+        state = next(f["state"] for f in report["files"] if f["path"] == MODELOPT)
+        assert state == "missing" and MODELOPT in err
+        verify = m3patch_cli("verify", *args)
+        assert verify.returncode == errors.VerifyFailed.exit_code
+        assert f"{MODELOPT}: missing" in verify.stderr
+        assert m3patch_cli("revert", *args).returncode == errors.PatchConflict.exit_code
+        replace_file(vllm_tree / MODELOPT, before)
+        assert m3patch_cli("revert", *args).returncode == 0

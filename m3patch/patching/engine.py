@@ -77,6 +77,8 @@ def classify(chain: Chain, data: bytes | None) -> FileStatus:
         if hashes[stage] == current:
             state = APPLIED if stage == len(hashes) - 1 else PRISTINE if stage == 0 else PARTIAL
             return FileStatus(chain.path, state, stage, current, ())
+    if data is None:  # absence is a state of its own, never "matches" a pin by default
+        return FileStatus(chain.path, FileState.MISSING, None, None, ())
     lines = to_lines(data)
     states = tuple((s.patch_id, h) for s in chain.steps
                    for h in hk.probe(lines, s.file.hunks, chain.path))
@@ -191,6 +193,8 @@ def patch_states(chains: Sequence[Chain],
 
 def diagnosis(status: FileStatus) -> list[str]:
     """Human lines: the file's state, then each hunk's state and first differing line."""
+    if status.state == FileState.MISSING:
+        return [f"{status.path}: missing (the series pins this file; it does not exist)"]
     out = [f"{status.path}: {status.state} (sha256 {str(status.current)[:12]} matches no pin)"]
     for patch_id, h in status.hunks:
         tail = f": {h.detail}" if h.detail else ""

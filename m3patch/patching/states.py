@@ -36,6 +36,7 @@ class FileState(TextEnum):
     APPLIED_OFFSET = "applied (offset)"  # equals the post-image an offset apply recorded
     PARTIAL = "partially applied"
     DRIFTED = "drifted"
+    MISSING = "missing"  # the series pins the file, no pin says it is absent, and it is absent
     UPSTREAM = "upstreamed"
 
 

@@ -24,7 +24,7 @@ from m3patch.patching.states import FileState, Mode, PatchState
 if TYPE_CHECKING:
     from m3patch.patching import engine
 
-CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM)
+CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM, FileState.MISSING)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _offset_applied(snap: Snapshot) -> dict[str, engine.FileStatus]:
     ledger = snap.ledger
     posts = {f.path: f.post for f in ledger.files} if ledger and ledger.mode == Mode.OFFSET else {}
     return {c.path: replace(s, state=FileState.APPLIED_OFFSET, stage=len(c.steps), hunks=())
-            if s.stage is None and posts.get(c.path) == s.current else s
+            if s.stage is None and c.path in posts and posts[c.path] == s.current else s
             for c in snap.chains for s in [snap.statuses[c.path]]}
 
 
