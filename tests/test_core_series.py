@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -113,3 +114,28 @@ def test_default_series_lookup_checkout_then_wheel(tmp_path: Path, monkeypatch: 
     with pytest.raises(errors.UsageError, match=r"no series for vLLM 0\.99\.0") as caught:
         series_mod.find_series_dir(None, "0.99.0")
     assert caught.value.hint == "pass --series DIR, or write the series for this version"
+
+
+@pytest.mark.parametrize("edit", ["post equals pre", "broken chain", "short hash"])
+def test_a_lock_pin_that_cannot_be_true_is_refused_at_load(
+        edit: str, test_series: Path, tmp_path: Path, vllm_tree: Path,
+        m3patch_cli: CliRunner) -> None:
+    """A pin whose post-image equals its pre-image made apply skip the patch and report it
+    applied; the lock is read back as untrusted input and refused (exit 2), the tree untouched."""
+    series = tmp_path / "series"
+    shutil.copytree(test_series, series)
+    lock = json.loads((series / "series.lock.json").read_text())
+    logger = [f for p in lock["patches"] for f in p["files"] if f["path"] == "vllm/logger.py"]
+    if edit == "post equals pre":
+        logger[1]["post"] = logger[1]["pre"]
+    elif edit == "broken chain":  # the first patch's post is no longer the second one's pre
+        logger[0]["post"] = "0" * 64
+    else:
+        logger[0]["pre"] = logger[0]["pre"][:12]
+    (series / "series.lock.json").write_text(json.dumps(lock))
+    args = ("--vllm-root", str(vllm_tree), "--series", str(series))
+    for command in ("apply", "verify", "status"):
+        proc = m3patch_cli(command, *args)
+        assert proc.returncode == errors.UsageError.exit_code, proc.stderr
+        assert "series lock --pristine" in proc.stderr and "vllm/logger.py" in proc.stderr
+    assert not (vllm_tree / "vllm/.m3patch").exists()

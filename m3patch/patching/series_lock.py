@@ -74,6 +74,9 @@ def _file_pin(raw: Any, where: str) -> FilePin:
     path = check_rel_path(str(raw["path"]), where)
     pre = _sha(raw["pre"], f"{where} {path} pre", optional=True)
     post = _sha(raw["post"], f"{where} {path} post", optional=True)
+    if pre == post:  # a pin that changes nothing would make apply skip the patch silently
+        msg = f"{where} {path}: post-image hash equals the pre-image hash"
+        raise ValueError(msg)
     return FilePin(path, pre, post)
 
 
@@ -93,12 +96,25 @@ def read_lock(path: Path) -> SeriesLock:
         raise UsageError(msg, hint=hint)
     try:
         pins = tuple(_patch_pin(p) for p in raw["patches"])
+        _check_chains(pins)
         target = raw["target"]
         return SeriesLock(str(raw["series"]), str(target["vllm-version"]),
                           target.get("commit"), pins)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         msg = f"{path}: unreadable lock ({type(exc).__name__}: {exc})"
         raise UsageError(msg, hint=hint) from None
+
+
+def _check_chains(pins: Sequence[PatchPin]) -> None:
+    """Each file's pins form one chain: a patch starts from the image the previous one left."""
+    last: dict[str, str | None] = {}
+    for pin in pins:
+        for file in pin.files:
+            if file.path in last and last[file.path] != file.pre:
+                msg = (f"patch {pin.id!r} {file.path}: pre-image hash is not the post-image "
+                       "hash of the previous patch on this file")
+                raise ValueError(msg)
+            last[file.path] = file.post
 
 
 def check_lock_matches(lock: SeriesLock, series: Series, path: Path) -> None:
