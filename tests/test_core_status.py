@@ -110,6 +110,7 @@ def test_dry_runs_take_no_lock_and_create_nothing(
 
 
 MODELOPT = "vllm/model_executor/layers/quantization/modelopt.py"
+FUSED_MOE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
 
 
 def test_a_missing_patched_file_is_named_and_exits_5(
@@ -136,3 +137,34 @@ def test_a_missing_patched_file_is_named_and_exits_5(
         assert m3patch_cli("revert", *args).returncode == errors.PatchConflict.exit_code
         replace_file(vllm_tree / MODELOPT, before)
         assert m3patch_cli("revert", *args).returncode == 0
+
+
+def test_a_file_edited_after_apply_is_modified_not_upstreamed(
+        vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    """A hand edit outside every hunk of a file m3patch wrote leaves each hunk's new lines in
+    place, which alone reads as "upstreamed, can drop". The ledger says m3patch wrote the file:
+    it is "modified after apply", never droppable, and apply/verify/status all refuse it."""
+    series = REPO / "patches" / "vllm-0.33.0"
+    args = ("--vllm-root", str(vllm_tree), "--series", str(series))
+    assert m3patch_cli("apply", *args).returncode == 0
+    fused = vllm_tree / FUSED_MOE
+    replace_file(fused, b"# edited by hand after apply\n" + fused.read_bytes())
+    code, out, err = status(m3patch_cli, vllm_tree, series, "--json")
+    assert code == errors.PatchConflict.exit_code, err
+    report = json.loads(out)
+    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "modified after apply"
+    tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
+    assert tables["can_drop"] is False and tables["state"] == "conflict"
+    assert not any("re-applies" in n for n in report["notes"])
+    verify = m3patch_cli("verify", *args)
+    assert verify.returncode == errors.VerifyFailed.exit_code
+    assert f"{FUSED_MOE}: modified after apply" in verify.stderr
+    again = m3patch_cli("apply", *args)
+    assert again.returncode == errors.PatchConflict.exit_code
+    assert f"{FUSED_MOE}: modified after apply" in again.stderr
+    (vllm_tree / "vllm/.m3patch/ledger.json").unlink()  # no record of who wrote it
+    code, out, _ = status(m3patch_cli, vllm_tree, series, "--json")
+    report = json.loads(out)
+    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "upstreamed"
+    tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
+    assert tables["can_drop"] is True and code == errors.PatchConflict.exit_code

@@ -1,7 +1,8 @@
 """`m3patch status [--json]`: per patch, per file and per hunk state; files win over the ledger.
 
 Exit 0 when every file is pristine or applied (the series may be partly applied, patch by patch);
-exit 5 (PatchConflict) when any file is partially applied, drifted, missing or already upstream, i.e. a
+exit 5 (PatchConflict) when any file is partially applied, drifted, modified after apply, missing
+or already upstream, i.e. a
 state that neither `apply` nor `revert` takes as it is, or when a killed run's transaction is
 pending (status only reports it: apply or revert recovers it). The report is printed either way.
 """
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("exit 0: every file pristine or applied; exit 5: a file is partially "
-                     "applied, drifted, missing or upstreamed (see docs/exit-codes.md)")
+                     "applied, drifted, modified after apply, missing or upstreamed "
+                     "(see docs/exit-codes.md)")
     add_tree_options(parser)
     add_series_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")

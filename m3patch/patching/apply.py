@@ -32,6 +32,7 @@ from m3patch.patching.snapshot import (
     Contents,
     Snapshot,
     current_hashes,
+    ledger_view,
     read_and_classify,
     read_files,
     transaction_pending,
@@ -116,6 +117,7 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
     from m3patch.patching import engine  # deferred: the already-applied fast path never plans
 
     plans, conflicts = [], []
+    view = ledger_view(snap)  # names a file m3patch wrote and someone changed since
     for chain in chains:
         status = snap.statuses[chain.path]
         if status.stage == len(chain.steps):
@@ -125,7 +127,7 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
         elif mode == Mode.OFFSET:
             plans.append(engine.offset_image(chain, snap.contents[chain.path]))
         else:
-            conflicts.extend(engine.diagnosis(status))
+            conflicts.extend(engine.diagnosis(view[chain.path]))
     if conflicts:
         msg = "refusing to patch files that match no pinned image:\n" + "\n".join(conflicts)
         version = snap.series.target_version

@@ -9,7 +9,7 @@ with them to report that it is stale.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from m3patch.patching.diffs import safe_target
 from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
+from m3patch.patching.states import FileState, Mode
 
 if TYPE_CHECKING:
     from m3patch.patching import engine
@@ -83,6 +84,27 @@ def read_and_classify(tree: VllmTree, series: Series,
     return Snapshot(series, chains, data, statuses, ledger, note)
 
 
+def ledger_view(snap: Snapshot) -> dict[str, engine.FileStatus]:
+    """The states status and verify report, where the ledger of this series explains a file that
+    matches no pin: equal to the post-image an offset apply recorded is applied (offset); any
+    other content in a file m3patch wrote was modified after apply (never "upstreamed")."""
+    ledger = snap.ledger
+    ours = ledger is not None and ledger.series == snap.series.id
+    recorded = {f.path: f.post for f in ledger.files} if ledger is not None and ours else {}
+    offset = ledger is not None and ledger.mode == Mode.OFFSET
+    view = {}
+    for chain in snap.chains:
+        status = snap.statuses[chain.path]
+        if status.stage is None and chain.path in recorded:
+            if offset and recorded[chain.path] == status.current:
+                status = replace(status, state=FileState.APPLIED_OFFSET, stage=len(chain.steps),
+                                 hunks=())
+            elif status.state != FileState.MISSING:
+                status = replace(status, state=FileState.MODIFIED)
+        view[chain.path] = status
+    return view
+
+
 def ledger_notes(series_id: str, hashes: Mapping[str, tuple[str | None, ...]],
                  currents: Mapping[str, str | None], ledger: Ledger | None,
                  ledger_note: str | None) -> list[str]:
@@ -94,7 +116,8 @@ def ledger_notes(series_id: str, hashes: Mapping[str, tuple[str | None, ...]],
         return notes
     if ledger.series != series_id:
         notes.append(f"ledger records series {ledger.series}, not {series_id}")
-    stale = [f.path for f in ledger.files if f.path in currents and currents[f.path] != f.post]
+    stale = [f.path for f in ledger.files if f.path in currents and currents[f.path] != f.post
+             and currents[f.path] in hashes.get(f.path, ())]  # back at a pin: apply re-applies
     if stale:
         notes.append(f"stale ledger: it records {len(stale)} patched file(s) that are not "
                      f"(e.g. {stale[0]}; vLLM reinstalled?); `m3patch apply` re-applies")

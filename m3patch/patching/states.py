@@ -37,7 +37,8 @@ class FileState(TextEnum):
     PARTIAL = "partially applied"
     DRIFTED = "drifted"
     MISSING = "missing"  # the series pins the file, no pin says it is absent, and it is absent
-    UPSTREAM = "upstreamed"
+    UPSTREAM = "upstreamed"  # the pristine upstream file already contains the change
+    MODIFIED = "modified after apply"  # the ledger says m3patch wrote it; it matches no pin now
 
 
 class PatchState(TextEnum):

@@ -6,7 +6,7 @@ act on a journal, holding the tree lock), so status works on a tree the user can
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from m3patch.patching.locate import VllmTree
@@ -14,17 +14,18 @@ from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
 from m3patch.patching.snapshot import (
     PENDING_TRANSACTION,
-    Snapshot,
     ledger_notes,
+    ledger_view,
     read_and_classify,
     transaction_pending,
 )
-from m3patch.patching.states import FileState, Mode, PatchState
+from m3patch.patching.states import FileState, PatchState
 
 if TYPE_CHECKING:
-    from m3patch.patching import engine
+    pass
 
-CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM, FileState.MISSING)
+CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM, FileState.MISSING,
+                   FileState.MODIFIED)
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,6 @@ class StatusReport:
                 "conflicts": list(self.conflicts), "interrupted": self.interrupted}
 
 
-def _offset_applied(snap: Snapshot) -> dict[str, engine.FileStatus]:
-    """After an offset apply, a file equal to the post-image the ledger recorded is applied."""
-    ledger = snap.ledger
-    posts = {f.path: f.post for f in ledger.files} if ledger and ledger.mode == Mode.OFFSET else {}
-    return {c.path: replace(s, state=FileState.APPLIED_OFFSET, stage=len(c.steps), hunks=())
-            if s.stage is None and c.path in posts and posts[c.path] == s.current else s
-            for c in snap.chains for s in [snap.statuses[c.path]]}
-
-
 def tree_status(tree: VllmTree, series: Series) -> StatusReport:
     """Per patch and file state, hunk diagnosis, and which patches upstream already carries."""
     from m3patch.patching import engine  # deferred: api is imported on the already-applied path
@@ -64,7 +56,7 @@ def tree_status(tree: VllmTree, series: Series) -> StatusReport:
     interrupted = transaction_pending(tree.root)
     notes = [PENDING_TRANSACTION] if interrupted else []
     snap = read_and_classify(tree, series, load_patches(series, pins.raw))
-    statuses = _offset_applied(snap)
+    statuses = ledger_view(snap)
     states = engine.patch_states(snap.chains, statuses)
     files = tuple({"path": c.path, "state": str(statuses[c.path].state),
                    "patches": [s.patch_id for s in c.steps],

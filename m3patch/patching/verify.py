@@ -22,6 +22,7 @@ from m3patch.patching.snapshot import (
     current_hashes,
     ledger_notes,
     ledger_or_note,
+    ledger_view,
     read_and_classify,
     read_files,
     transaction_pending,
@@ -97,9 +98,9 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
     if off:  # only now parse the patches: the diagnosis needs per-hunk probes
         from m3patch.patching import engine  # deferred: the already-applied path never needs it
 
-        snap = read_and_classify(tree, series, load_patches(series, pins.raw), data)
+        view = ledger_view(read_and_classify(tree, series, load_patches(series, pins.raw), data))
         for path in off:
-            status = snap.statuses[path]
+            status = view[path]
             problems.extend(engine.diagnosis(status) if status.stage is None else
                             [f"{path}: {status.state}, not the pinned post-image"])
     who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
