@@ -12,6 +12,7 @@ from core_helpers import REPO, CliRunner
 from m3patch import errors
 from m3patch.patching.api import apply_series
 from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
 from m3patch.patching.series import load_series
 from m3patch.schema import SchemaError
 
@@ -139,3 +140,37 @@ def test_a_lock_pin_that_cannot_be_true_is_refused_at_load(
         assert proc.returncode == errors.UsageError.exit_code, proc.stderr
         assert "series lock --pristine" in proc.stderr and "vllm/logger.py" in proc.stderr
     assert not (vllm_tree / "vllm/.m3patch").exists()
+
+
+def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path: Path,
+                                   m3patch_cli: CliRunner) -> None:
+    """A second series (the shipped one less a patch, relocked with `series lock`) on a tree the
+    first one patched is refused (exit 5) naming both and the switch; revert of the first
+    removes every folder it created; then the second applies."""
+    first = REPO / "patches" / "vllm-0.33.0"
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    manifest = (second / "series.yaml").read_text()
+    start = manifest.index("  - id: tuned-tables-h200")
+    end = manifest.index("  - id: packed-e8m0-scales")
+    manifest = manifest[:start] + manifest[end:]
+    (second / "series.yaml").write_text(manifest.replace("id: vllm-0.33.0", "id: second", 1))
+    (second / "0005-tuned-tables-h200.patch").unlink()
+    locked = m3patch_cli("series", "lock", "--series", str(second), "--tree", str(pristine_033))
+    assert locked.returncode == 0, locked.stderr
+    root = ("--vllm-root", str(vllm_tree))
+    assert m3patch_cli("apply", *root, "--series", str(first)).returncode == 0
+    configs = vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch"
+    assert configs.is_dir()
+    for command in ("apply", "revert"):
+        proc = m3patch_cli(command, *root, "--series", str(second))
+        assert proc.returncode == errors.PatchConflict.exit_code, proc.stderr
+        assert "holds series vllm-0.33.0" in proc.stderr and "not second" in proc.stderr
+        assert "m3patch revert" in proc.stderr and f"--series {second}" in proc.stderr
+    status = m3patch_cli("status", *root, "--series", str(second))
+    assert "ledger records series vllm-0.33.0, not second" in status.stdout
+    assert m3patch_cli("revert", *root, "--series", str(first)).returncode == 0
+    assert not configs.exists()
+    assert verify_against_record(vllm_tree) == []
+    proc = m3patch_cli("apply", "--verify", *root, "--series", str(second))
+    assert proc.returncode == 0, proc.stderr

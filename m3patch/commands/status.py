@@ -2,9 +2,8 @@
 
 Exit 0 when every file is pristine or applied (the series may be partly applied, patch by patch);
 exit 5 (PatchConflict) when any file is partially applied, drifted, modified after apply, missing
-or already upstream, i.e. a
-state that neither `apply` nor `revert` takes as it is, or when a killed run's transaction is
-pending (status only reports it: apply or revert recovers it). The report is printed either way.
+or already upstream, i.e. a state that neither `apply` nor `revert` takes as it is, or when a
+killed run's transaction is pending (status only reports it: apply or revert recovers it). The report is printed either way.
 """
 
 from __future__ import annotations

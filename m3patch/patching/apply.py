@@ -85,6 +85,20 @@ def _locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[
         yield
 
 
+def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
+    """One tree holds one series: its ledger names it. Taking over a tree another series
+    patched would leave that series' other files patched and its folders unrecorded."""
+    ledger, series = snap.ledger, snap.series
+    if ledger is None or ledger.series == series.id or not ledger.files:
+        return
+    msg = (f"{tree.root}: the tree holds series {ledger.series} (vllm/.m3patch/ledger.json), "
+           f"not {series.id}; one tree holds one series at a time")
+    hint = (f"switch: `m3patch revert --vllm-root {tree.root} --series <folder of "
+            f"{ledger.series}>`, then `m3patch apply --vllm-root {tree.root} "
+            f"--series {series.directory}`")
+    raise PatchConflict(msg, hint=hint)
+
+
 def _version_note(tree: VllmTree, series: Series, mode: Mode) -> str:
     try:
         return check_target(tree, series.target_version, series.target_commit)
@@ -238,6 +252,7 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
     patches = load_patches(series, pins.raw)
     with _locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
+        refuse_other_series(snap, tree)
         chains = _selected(snap, only)
         plans = _plan(snap, chains, mode)
         made = _missing_dirs(tree, plans)
@@ -289,6 +304,7 @@ def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> A
     notes: list[str] = []
     with _locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
+        refuse_other_series(snap, tree)
         plans = revert_plans(snap)
         if not dry_run and (plans or snap.ledger is not None):
             from m3patch.patching import writer  # deferred: see _changes
