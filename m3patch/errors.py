@@ -24,6 +24,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
+| 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ neither apply nor revert can take; the report is printed in both cases."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from core_helpers import REPO, CliRunner, replace_file
@@ -12,6 +17,7 @@ from m3patch import errors
 from m3patch.patching.api import apply_series
 from m3patch.patching.locate import tree_at
 from m3patch.patching.series import load_series
+from m3patch.patching.writer import tree_lock
 
 LOGGER = "vllm/logger.py"
 
@@ -168,3 +174,36 @@ def test_a_file_edited_after_apply_is_modified_not_upstreamed(
     assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "upstreamed"
     tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
     assert tables["can_drop"] is True and code == errors.PatchConflict.exit_code
+
+
+def test_process_edges_end_in_documented_codes(
+        vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    """A closed stdout pipe (141), an ASCII locale (exit as usual, escaped text), a bad
+    $M3PATCH_LOCK_TIMEOUT (usage, 2) and SIGTERM (130): never 70, never a traceback."""
+    series = str(REPO / "patches" / "vllm-0.33.0")
+    args = ("--vllm-root", str(vllm_tree), "--series", series)
+    for bad in ("abc", "nan", "-1"):
+        proc = m3patch_cli("apply", *args, env={"M3PATCH_LOCK_TIMEOUT": bad})
+        assert proc.returncode == errors.UsageError.exit_code, proc.stderr
+        assert "$M3PATCH_LOCK_TIMEOUT" in proc.stderr
+    assert m3patch_cli("apply", *args).returncode == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("M3PATCH_", "LC_", "PYTHONIO"))}
+    ascii_env = {**env, "LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    cmd = [sys.executable, "-m", "m3patch", "status", *args]
+    proc = subprocess.run(cmd, capture_output=True, env=ascii_env, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr  # the table's ellipsis used to end in 70
+    closed = subprocess.Popen([*cmd, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, cwd=REPO)
+    assert closed.stdout is not None and closed.stderr is not None
+    closed.stdout.close()  # the reader is gone before the first byte is written
+    stderr = closed.stderr.read().decode()
+    assert closed.wait(timeout=60) == 141, stderr
+    assert "Traceback" not in stderr and "internal error" not in stderr
+    with tree_lock(vllm_tree):  # the CLI waits for the lock; then the job is cancelled
+        waiting = subprocess.Popen([sys.executable, "-m", "m3patch", "revert", *args],
+                                   stderr=subprocess.PIPE, env=env, cwd=REPO, text=True)
+        time.sleep(3)
+        waiting.send_signal(signal.SIGTERM)
+        _, stderr = waiting.communicate(timeout=60)
+    assert waiting.returncode == errors.Interrupted.exit_code, stderr
+    assert "received signal SIGTERM" in stderr and "Traceback" not in stderr

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
+from m3patch.errors import Interrupted
 from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.series import Series, find_series_dir, load_series
 
@@ -35,6 +40,23 @@ def series_dir(args: argparse.Namespace, tree: VllmTree | None) -> Path:
 def tree_and_series(args: argparse.Namespace) -> tuple[VllmTree, Series]:
     tree = tree_from(args)
     return tree, load_series(series_dir(args, tree))
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    msg = f"received signal {signal.Signals(signum).name}"
+    raise Interrupted(msg, hint="re-run the same command; the next apply or revert completes or "
+                      "rolls back an interrupted transaction")
+
+
+def prepare_process() -> None:
+    """SIGTERM unwinds like Ctrl-C (exit 130, as documented; the tree lock is released and a
+    transaction left half-done is finished or undone by the next run), and text the locale
+    cannot encode (LANG=C: ASCII) is escaped instead of ending in an internal error."""
+    if threading.current_thread() is threading.main_thread():  # signal() works only there
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and "utf" not in stream.encoding.lower():
+            stream.reconfigure(errors="backslashreplace")
 
 
 def say(line: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from m3patch.commands.common import say, series_dir
+from m3patch.commands.common import prepare_process, say, series_dir
 from m3patch.errors import UsageError
 from m3patch.patching.locate import tree_at
 from m3patch.patching.pristine import pristine_tree
@@ -49,6 +49,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     if args.action == "lock":
         return _lock(args)
     if args.action == "show":

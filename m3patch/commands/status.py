@@ -12,7 +12,13 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from m3patch.commands.common import add_series_option, add_tree_options, say, tree_and_series
+from m3patch.commands.common import (
+    add_series_option,
+    add_tree_options,
+    prepare_process,
+    say,
+    tree_and_series,
+)
 from m3patch.errors import PatchConflict
 
 if TYPE_CHECKING:
@@ -29,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     from m3patch.patching.api import tree_status
 
     tree, series = tree_and_series(args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import stat
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from m3patch.errors import LockTimeout, TreeIOError
+from m3patch.errors import LockTimeout, TreeIOError, UsageError
 from m3patch.fsio import DEFAULT_MODE, fsync_dir, read_json, replace_atomic, write_new
 from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import (
@@ -42,6 +43,7 @@ from m3patch.patching.ledger import (
 JOURNAL = "journal.json"
 PHASES = ("stage", "commit")
 DEFAULT_LOCK_TIMEOUT_S = 300.0
+ENV_LOCK_TIMEOUT = "M3PATCH_LOCK_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,28 @@ class _Steps:
             raise OSError(5, f"M3PATCH_FAULT injected I/O error after step {self.count}")
 
 
+def lock_timeout_from_env() -> float:
+    """$M3PATCH_LOCK_TIMEOUT in seconds (default 300); anything but a finite number >= 0 is a
+    usage error (exit 2), never a crash or an endless wait (NaN never passes a deadline)."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        msg = f"${ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds >= 0"
+        raise UsageError(msg, hint=f"unset it (default {DEFAULT_LOCK_TIMEOUT_S:.0f} s) or set "
+                         f"e.g. {ENV_LOCK_TIMEOUT}=600")
+    return value
+
+
 @contextlib.contextmanager
 def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
     """Exclusive flock on <root>/vllm/.m3patch/lock; LockTimeout after the deadline."""
     if timeout_s is None:
-        timeout_s = float(os.environ.get("M3PATCH_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S))
+        timeout_s = lock_timeout_from_env()
     path = state_dir(root) / "lock"
     try:
         path.parent.mkdir(exist_ok=True)
