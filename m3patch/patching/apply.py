@@ -37,7 +37,7 @@ from m3patch.patching.snapshot import (
     read_files,
     transaction_pending,
 )
-from m3patch.patching.states import Mode
+from m3patch.patching.states import FileState, Mode
 
 if TYPE_CHECKING:
     from m3patch.patching import engine, writer
@@ -131,10 +131,10 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
     from m3patch.patching import engine  # deferred: the already-applied fast path never plans
 
     plans, conflicts = [], []
-    view = ledger_view(snap)  # names a file m3patch wrote and someone changed since
+    view = ledger_view(snap)  # offset-applied files, and files modified since m3patch wrote them
     for chain in chains:
         status = snap.statuses[chain.path]
-        if status.stage == len(chain.steps):
+        if status.stage == len(chain.steps) or view[chain.path].state == FileState.APPLIED_OFFSET:
             continue
         if status.stage is not None:
             plans.append(engine.post_image(chain, status.stage, snap.contents[chain.path]))
@@ -153,15 +153,19 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
 def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, note: str,
                 plans: list[engine.FilePlan], made: Mapping[str, tuple[str, ...]]) -> Ledger:
     planned = {p.path: p for p in plans}
-    old_dirs = {f.path: f.dirs for f in snap.ledger.files} if snap.ledger else {}
+    old = {f.path: f for f in snap.ledger.files} if snap.ledger else {}
+    view = ledger_view(snap)
     files = []
     for chain in snap.chains:
         plan = planned.get(chain.path)
         if plan is not None:
             files.append(LedgerFile(chain.path, plan.pre, plan.post, made.get(chain.path, ())))
+        elif view[chain.path].state == FileState.APPLIED_OFFSET:  # keep what --offset recorded
+            files.append(old[chain.path])
+            mode = Mode.OFFSET
         elif snap.statuses[chain.path].stage == len(chain.steps):
-            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1],
-                                    old_dirs.get(chain.path, ())))
+            dirs = old[chain.path].dirs if chain.path in old else ()
+            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1], dirs))
     done = {f.path for f in files}
     patches = tuple(p.id for p in snap.series.patches
                     if all(c.path in done for c in snap.chains
@@ -197,27 +201,35 @@ def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tup
 
 def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
                      notes: list[str]) -> ApplyReport | None:
-    """The common case, decided without the lock or any patch parsed: no journal, every file at
-    its final pinned hash, and a ledger that records exactly that. Anything else: None."""
+    """The common case, decided without the lock or any patch parsed: no journal, a ledger of
+    this series, and every file equal to the post-image it records (the final pin, or after
+    `apply --offset` the offset post-image). Anything else: None, and the locked path decides."""
     series = pins.series
     try:  # a journal, or a temp file of a killed run: the locked path recovers and cleans up
         if not {p.name for p in state_dir(tree.root).iterdir()} <= {"ledger.json", "lock"}:
             return None
     except OSError:
         return None
-    contents = read_files(tree, list(pins.hashes))
-    currents = current_hashes(contents)
-    if any(currents[p] != h[-1] for p, h in pins.hashes.items()):
-        return None
     try:
         ledger = read_ledger(tree.root)
     except TreeIOError:
         return None
     ids = tuple(p.id for p in series.patches)
-    want = (series.id, Mode.STRICT, ids, tree.version,
-            {p: (h[0], h[-1]) for p, h in pins.hashes.items()})
-    if ledger is None or _record(ledger) != want or journal_path(tree.root).exists():
-        return None  # the journal again: a transaction that began while we read
+    if ledger is None or (ledger.series, ledger.patches, ledger.vllm_version) != (
+            series.id, ids, tree.version):
+        return None
+    recorded = {f.path: (f.pre, f.post) for f in ledger.files}
+    if recorded.keys() != pins.hashes.keys():
+        return None
+    contents = read_files(tree, list(pins.hashes))
+    currents = current_hashes(contents)
+    for path, hashes in pins.hashes.items():
+        pre, post = recorded[path]
+        exact = (pre, post) == (hashes[0], hashes[-1])
+        if currents[path] != post or not (exact or ledger.mode == Mode.OFFSET):
+            return None  # an offset ledger: files equal to the post-images --offset recorded
+    if journal_path(tree.root).exists():
+        return None  # a transaction that began while we read
     return ApplyReport(series_id=series.id, mode=Mode.STRICT, dry_run=dry_run, applied=(),
                        already=ids, notes=tuple(notes), contents=contents)
 
