@@ -15,7 +15,7 @@ Every failure raises an M3PatchError subclass.
 
 Where things live (the pipeline pin -> read -> classify -> plan -> commit): series_lock (pins
 written and read), snapshot (read + classify, never writes), verify and status (read-only
-reports), apply (plan + commit of apply and revert), writer (the one writer: journal, lock).
+reports), apply and revert (plan + commit), writer (the one writer: journal, lock).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m3patch.errors import TreeIOError
-from m3patch.patching.apply import ApplyReport, apply_series, revert_series
+from m3patch.patching.apply import ApplyReport, apply_series
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import VllmTree
+from m3patch.patching.revert import revert_series
 from m3patch.patching.series import Series
 from m3patch.patching.states import Mode
 from m3patch.patching.status import StatusReport, tree_status

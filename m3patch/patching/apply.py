@@ -1,8 +1,9 @@
-"""Apply and revert: plan the change from a classified snapshot, then commit it through the writer.
+"""Apply: plan the change from a classified snapshot, then commit it through the writer.
 
-The write half of the pipeline pin -> read -> classify -> plan -> commit. A real run takes the
-tree lock, finishes or rolls back a transaction a killed run left (writer.recover), then reads,
-plans and commits under that lock. A dry run takes no lock and creates nothing: it plans on the
+The write half of the pipeline pin -> read -> classify -> plan -> commit; revert.py is its
+mirror and shares the report, the lock discipline and the one-series rule defined here. A real
+run takes the tree lock, finishes or rolls back a transaction a killed run left (writer.recover),
+then reads, plans and commits under that lock. A dry run takes no lock and creates nothing: it plans on the
 files as they are and says when a pending transaction would be recovered first.
 """
 
@@ -14,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
-from m3patch.errors import PatchConflict, TreeIOError, UsageError, VerifyFailed, VersionMismatch
-from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.errors import PatchConflict, TreeIOError, UsageError, VersionMismatch
+from m3patch.patching.diffs import safe_target
 from m3patch.patching.ledger import (
     Ledger,
     LedgerFile,
-    file_digest,
     journal_path,
     new_ledger,
     read_ledger,
@@ -69,7 +69,7 @@ class ApplyReport:
 
 
 @contextlib.contextmanager
-def _locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[None]:
+def locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[None]:
     """A real run: the tree lock, and recovery of a killed run's journal under it. A dry run:
     neither (it must work on a tree the user cannot write), only a note."""
     if dry_run:
@@ -262,7 +262,7 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         if done is not None:
             return done
     patches = load_patches(series, pins.raw)
-    with _locked_or_dry(tree, dry_run, notes):
+    with locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
         refuse_other_series(snap, tree)
         chains = _selected(snap, only)
@@ -285,61 +285,3 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
                        already=tuple(i for i in order if i not in pending),
                        files_written=tuple(p.path for p in plans), offsets=offsets,
                        notes=tuple(notes), deleted=tuple(p.path for p in plans if p.post is None))
-
-
-def revert_plans(snap: Snapshot) -> list[engine.FilePlan]:
-    from m3patch.patching import engine  # deferred: see _plan
-
-    plans, conflicts = engine.revert_plans(snap.chains, snap.statuses, snap.contents, snap.ledger)
-    if conflicts:
-        msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
-        raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
-                            f"vllm=={snap.series.target_version}`")
-    return plans
-
-
-def _revert_change(snap: Snapshot, plan: engine.FilePlan) -> writer.Change:
-    """A file the revert deletes takes the folders the apply made for it (from the ledger)."""
-    from m3patch.patching import engine, writer  # deferred: see _changes
-
-    chain = next(c for c in snap.chains if c.path == plan.path)
-    recorded = {f.path: f.dirs for f in snap.ledger.files} if snap.ledger else {}
-    drop = tuple(check_rel_path(d, "ledger.json dirs") for d in recorded.get(plan.path, ()))
-    return writer.Change(plan.path, plan.pre, plan.post, plan.data,
-                         engine.new_file_mode(chain, "delete") if plan.pre is None else None,
-                         drop_dirs=drop if plan.post is None else ())
-
-
-def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
-    """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
-    patches = load_patches(series)
-    notes: list[str] = []
-    with _locked_or_dry(tree, dry_run, notes):
-        snap = read_and_classify(tree, series, patches)
-        refuse_other_series(snap, tree)
-        plans = revert_plans(snap)
-        if not dry_run and (plans or snap.ledger is not None):
-            from m3patch.patching import writer  # deferred: see _changes
-
-            changes = [_revert_change(snap, p) for p in plans]
-            for change in changes:
-                safe_target(tree.root, change.path)
-            writer.commit(tree.root, changes, None)
-            _check_written(tree, plans)
-    reverted = {s.patch_id for p in plans for c in snap.chains if c.path == p.path
-                for s in c.steps}
-    order = [p.id for p in series.patches]
-    return ApplyReport(series_id=series.id, mode=Mode.REVERT, dry_run=dry_run,
-                       applied=tuple(i for i in order if i in reverted),
-                       already=tuple(i for i in order if i not in reverted),
-                       files_written=tuple(p.path for p in plans), notes=tuple(notes),
-                       deleted=tuple(p.path for p in plans if p.post is None))
-
-
-def _check_written(tree: VllmTree, plans: list[engine.FilePlan]) -> None:
-    """Re-read what the transaction wrote: a revert promises the exact pinned pre-images."""
-    for plan in plans:
-        got = file_digest(tree.root / plan.path)
-        if got != plan.post:
-            msg = f"{plan.path}: sha256 {got} after the write, expected {plan.post}"
-            raise VerifyFailed(msg, hint="m3patch status; the disk or another writer interfered")
