@@ -25,6 +25,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
+| 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
 """
 
 from __future__ import annotations

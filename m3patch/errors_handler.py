@@ -14,6 +14,17 @@ from pathlib import Path
 from m3patch import __version__
 from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError
 
+CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a tool killed by SIGPIPE reports (`| head`)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
 
 @dataclass
 class Outcome:
@@ -66,6 +77,9 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
     except KeyboardInterrupt:
         print("m3patch: interrupted", file=sys.stderr)
         outcome.code = 130
+    except BrokenPipeError:  # the reader of stdout left (`status --json | head -1`)
+        _silence_stdout()
+        outcome.code = CLOSED_PIPE_EXIT
     except SystemExit:
         raise
     except Exception as exc:

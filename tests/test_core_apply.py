@@ -142,7 +142,8 @@ def test_verify_catches_a_patched_file_that_no_longer_compiles(
     apply_series(tree, series)
     replace_file(vllm_tree / "vllm/version.py", b"def broken(:\n")
     report = verify_tree(tree, series)
-    assert not report.ok and "vllm/version.py: drifted" in "\n".join(report.problems)
+    # m3patch wrote this file (the ledger says so): an edit since is "modified after apply"
+    assert not report.ok and "vllm/version.py: modified after apply" in "\n".join(report.problems)
     with pytest.raises(errors.VerifyFailed):
         report.raise_for_failure()
 
@@ -201,3 +202,30 @@ def test_already_applied_is_decided_without_parsing_a_patch(
     assert proc.returncode == 0, proc.stderr
     assert "ledger was missing or stale: rewritten" in proc.stderr
     assert "'unidiff'" in proc.stdout.strip().splitlines()[-1]
+
+
+def test_an_offset_applied_tree_is_first_class(vllm_tree: Path, pristine_033: Path,
+                                               m3patch_cli: CliRunner) -> None:
+    """After `apply --offset` (a line inserted near the top of modelopt.py), the ledger records
+    the offset post-images: plain apply (serve's and ci's path, with and without --verify),
+    verify, status and a second --offset run all agree it is applied; revert restores."""
+    modelopt = "vllm/model_executor/layers/quantization/modelopt.py"
+    args = ("--vllm-root", str(vllm_tree), "--series", str(REPO / "patches" / "vllm-0.33.0"))
+    drifted = b"# a line a nightly added\n" + (pristine_033 / modelopt).read_bytes()
+    replace_file(vllm_tree / modelopt, drifted)
+    first = m3patch_cli("apply", "--offset", "--verify", *args)
+    assert first.returncode == 0, first.stderr
+    assert "(offset +1)" in first.stderr
+    patched = {p: p.stat().st_mtime_ns for p in (vllm_tree / "vllm").rglob("*.py")}
+    for extra in ((), ("--verify",), ("--offset",)):
+        again = m3patch_cli("apply", *extra, *args)
+        assert again.returncode == 0, (extra, again.stderr)
+        assert "already applied" in again.stdout, (extra, again.stdout)
+    assert {p: p.stat().st_mtime_ns for p in patched} == patched  # nothing rewritten
+    assert m3patch_cli("verify", *args).returncode == 0
+    status = m3patch_cli("status", "--json", *args)
+    assert status.returncode == 0, status.stderr
+    assert {f["path"]: f["state"] for f in json.loads(status.stdout)["files"]}[modelopt] == \
+        "applied (offset)"
+    assert m3patch_cli("revert", *args).returncode == 0
+    assert (vllm_tree / modelopt).read_bytes() == drifted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from core_helpers import REPO, CliRunner
 from m3patch import errors
 from m3patch.patching.api import apply_series
 from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import verify_against_record
 from m3patch.patching.series import load_series
 from m3patch.schema import SchemaError
 
@@ -90,3 +92,87 @@ def test_real_series_folders_lock(name: str, tmp_path: Path, m3patch_cli: CliRun
     proc = m3patch_cli("series", "lock", "--series", str(series), "--pristine", timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert load_series(series).lock is not None
+
+
+def test_default_series_lookup_checkout_then_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   ) -> None:
+    """--series, $M3PATCH_SERIES, ./patches/vllm-<base>, then the series shipped with m3patch
+    (the checkout's patches/, or in an installed wheel its bundled copy)."""
+    from m3patch.patching import series as series_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("M3PATCH_SERIES", raising=False)
+    shipped = series_mod.find_series_dir(None, "0.33.0+cpu")
+    assert shipped.resolve() == REPO / "patches" / "vllm-0.33.0"
+    bundled = tmp_path / "wheel" / "_shipped" / "patches"
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", bundled / "vllm-0.33.0")
+    monkeypatch.setattr(series_mod, "shipped_dir", lambda kind: bundled)  # as installed
+    assert series_mod.find_series_dir(None, "0.33.0") == bundled / "vllm-0.33.0"
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", tmp_path / "patches" / "vllm-0.33.0")
+    assert series_mod.find_series_dir(None, "0.33.0") == Path("patches/vllm-0.33.0")
+    monkeypatch.setenv("M3PATCH_SERIES", "/from/env")
+    assert series_mod.find_series_dir(None, "0.33.0") == Path("/from/env")
+    assert series_mod.find_series_dir(Path("/explicit"), "0.33.0") == Path("/explicit")
+    monkeypatch.delenv("M3PATCH_SERIES")
+    with pytest.raises(errors.UsageError, match=r"no series for vLLM 0\.99\.0") as caught:
+        series_mod.find_series_dir(None, "0.99.0")
+    assert caught.value.hint == "pass --series DIR, or write the series for this version"
+
+
+@pytest.mark.parametrize("edit", ["post equals pre", "broken chain", "short hash"])
+def test_a_lock_pin_that_cannot_be_true_is_refused_at_load(
+        edit: str, test_series: Path, tmp_path: Path, vllm_tree: Path,
+        m3patch_cli: CliRunner) -> None:
+    """A pin whose post-image equals its pre-image made apply skip the patch and report it
+    applied; the lock is read back as untrusted input and refused (exit 2), the tree untouched."""
+    series = tmp_path / "series"
+    shutil.copytree(test_series, series)
+    lock = json.loads((series / "series.lock.json").read_text())
+    logger = [f for p in lock["patches"] for f in p["files"] if f["path"] == "vllm/logger.py"]
+    if edit == "post equals pre":
+        logger[1]["post"] = logger[1]["pre"]
+    elif edit == "broken chain":  # the first patch's post is no longer the second one's pre
+        logger[0]["post"] = "0" * 64
+    else:
+        logger[0]["pre"] = logger[0]["pre"][:12]
+    (series / "series.lock.json").write_text(json.dumps(lock))
+    args = ("--vllm-root", str(vllm_tree), "--series", str(series))
+    for command in ("apply", "verify", "status"):
+        proc = m3patch_cli(command, *args)
+        assert proc.returncode == errors.UsageError.exit_code, proc.stderr
+        assert "series lock --pristine" in proc.stderr and "vllm/logger.py" in proc.stderr
+    assert not (vllm_tree / "vllm/.m3patch").exists()
+
+
+def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path: Path,
+                                   m3patch_cli: CliRunner) -> None:
+    """A second series (the shipped one less a patch, relocked with `series lock`) on a tree the
+    first one patched is refused (exit 5) naming both and the switch; revert of the first
+    removes every folder it created; then the second applies."""
+    first = REPO / "patches" / "vllm-0.33.0"
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    manifest = (second / "series.yaml").read_text()
+    start = manifest.index("  - id: tuned-tables-h200")
+    end = manifest.index("  - id: packed-e8m0-scales")
+    manifest = manifest[:start] + manifest[end:]
+    (second / "series.yaml").write_text(manifest.replace("id: vllm-0.33.0", "id: second", 1))
+    (second / "0005-tuned-tables-h200.patch").unlink()
+    locked = m3patch_cli("series", "lock", "--series", str(second), "--tree", str(pristine_033))
+    assert locked.returncode == 0, locked.stderr
+    root = ("--vllm-root", str(vllm_tree))
+    assert m3patch_cli("apply", *root, "--series", str(first)).returncode == 0
+    configs = vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch"
+    assert configs.is_dir()
+    for command in ("apply", "revert"):
+        proc = m3patch_cli(command, *root, "--series", str(second))
+        assert proc.returncode == errors.PatchConflict.exit_code, proc.stderr
+        assert "holds series vllm-0.33.0" in proc.stderr and "not second" in proc.stderr
+        assert "m3patch revert" in proc.stderr and f"--series {second}" in proc.stderr
+    status = m3patch_cli("status", *root, "--series", str(second))
+    assert "ledger records series vllm-0.33.0, not second" in status.stdout
+    assert m3patch_cli("revert", *root, "--series", str(first)).returncode == 0
+    assert not configs.exists()
+    assert verify_against_record(vllm_tree) == []
+    proc = m3patch_cli("apply", "--verify", *root, "--series", str(second))
+    assert proc.returncode == 0, proc.stderr

@@ -6,6 +6,7 @@ at a chosen write step; a real process cannot be made to die at an exact step ot
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -112,3 +113,76 @@ def test_lock_timeout(vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner
                            env={"M3PATCH_LOCK_TIMEOUT": "0.3"})
     assert proc.returncode == errors.LockTimeout.exit_code, proc.stderr
     assert "held the lock" in proc.stderr
+
+
+def _journal(root: Path, body: dict[str, object]) -> None:
+    state_dir(root).mkdir(exist_ok=True)
+    (state_dir(root) / "journal.json").write_text(json.dumps(body))
+
+
+def _entry(path: str, **over: object) -> dict[str, object]:
+    name = path.rsplit("/", 1)[-1]
+    return {"path": path, "pre": None, "post": "a" * 64, "stage": f".{name}.m3patch-new",
+            "backup": None, **over}
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    """Every file's bytes but the tree lock, which apply and revert create (documented)."""
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "lock"}
+
+
+HOSTILE_JOURNALS = {
+    "stage phase deletes a file outside": (
+        {"phase": "stage", "entries": [{"path": "../victim.txt", "pre": None, "post": "x",
+                                        "stage": None, "backup": None}], "ledger": None}, 9),
+    "commit phase swaps onto a file outside": (
+        {"phase": "commit", "entries": [_entry("../victim.txt")], "ledger": None}, 9),
+    "absolute path": ({"phase": "stage", "entries": [_entry("/etc/passwd")], "ledger": None}, 9),
+    "state folder": ({"phase": "stage", "entries": [_entry("vllm/.m3patch/ledger.json")],
+                      "ledger": None}, 9),
+    "folder not above the file": (
+        {"phase": "stage", "entries": [_entry("vllm/new/x.py", made_dirs=["vllm/model_executor"])],
+         "ledger": None}, 7),
+    "malformed hash": ({"phase": "stage", "entries": [_entry("vllm/x.py", post="x")],
+                        "ledger": None}, 7),
+    "stage name elsewhere": ({"phase": "commit", "entries": [_entry("vllm/logger.py",
+                              stage="../../victim.txt")], "ledger": None}, 7),
+    "unknown phase": ({"phase": "swap", "entries": [], "ledger": None}, 7),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_JOURNALS))
+def test_hostile_journal_is_refused_and_nothing_outside_changes(
+        case: str, vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    """The engine's own journal is untrusted: status only reports it, apply/revert refuse it
+    before acting on any entry, and nothing inside or outside the tree changes."""
+    body, code = HOSTILE_JOURNALS[case]
+    victim = vllm_tree.parent / "victim.txt"
+    victim.write_text("precious\n")
+    _journal(vllm_tree, body)
+    before = _files(vllm_tree.parent)
+    args = ("--vllm-root", str(vllm_tree), "--series", str(test_series))
+    status = m3patch_cli("status", *args)
+    assert status.returncode == errors.PatchConflict.exit_code, status.stderr
+    assert "interrupted transaction" in status.stderr
+    for command in ("apply", "revert"):
+        proc = m3patch_cli(command, *args)
+        assert proc.returncode == code, (command, proc.stderr)
+        assert "journal" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert _files(vllm_tree.parent) == before and victim.read_text() == "precious\n"
+
+
+def test_ledger_folders_not_above_their_file_are_never_removed(
+        vllm_tree: Path, test_series: Path) -> None:
+    """A ledger naming a folder that is not above its own file is corrupt: revert ignores it
+    (files win) and removes no folder it names."""
+    tree, series = tree_at(vllm_tree), load_series(test_series)
+    apply_series(tree, series)
+    keep = vllm_tree / "vllm" / "empty_folder_of_the_user"
+    keep.mkdir()
+    ledger = json.loads((state_dir(vllm_tree) / "ledger.json").read_text())
+    ledger["files"][0]["dirs"] = ["vllm/empty_folder_of_the_user"]
+    (state_dir(vllm_tree) / "ledger.json").write_text(json.dumps(ledger))
+    revert_series(tree, series)
+    assert keep.is_dir()
+    assert verify_against_record(vllm_tree) == []

@@ -108,6 +108,21 @@ def test_verify_and_status_work_on_a_read_only_patched_tree(
         assert cli("status", "--vllm-root", str(ro), "--series", str(test_series))[0] == 0
 
 
+def test_dry_runs_on_a_read_only_tree_exit_0(
+        vllm_tree: Path, test_series: Path, tmp_path: Path) -> None:
+    """A dry run writes nothing, so it needs no write access: no lock file, no state folder."""
+    with mounted("--bind", str(vllm_tree), target=tmp_path / "ro") as ro:
+        assert _sh("mount", "-o", "remount,ro,bind", str(ro)).returncode == 0
+        code, stderr = cli("apply", "--dry-run", "--vllm-root", str(ro), "--series", str(test_series))
+        assert code == 0, stderr
+    assert not (vllm_tree / "vllm/.m3patch").exists()
+    assert cli(*apply_args(vllm_tree, test_series))[0] == 0
+    with mounted("--bind", str(vllm_tree), target=tmp_path / "ro2") as ro:
+        assert _sh("mount", "-o", "remount,ro,bind", str(ro)).returncode == 0
+        code, stderr = cli("revert", "--dry-run", "--vllm-root", str(ro), "--series", str(test_series))
+        assert code == 0, stderr
+
+
 # Regression (found by this suite, fixed by the owner):
 # "bug: apply_api.apply_series takes txn.tree_lock (opens vllm/.m3patch/lock O_RDWR) before "
 # "it knows there is nothing to write, so `m3patch apply` (and serve's apply+verify) on an "

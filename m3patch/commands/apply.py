@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from m3patch.commands.common import add_series_option, add_tree_options, err, say, tree_and_series
+from m3patch.commands.common import (
+    add_series_option,
+    add_tree_options,
+    err,
+    prepare_process,
+    say,
+    tree_and_series,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.patching.api import apply_series, verify_tree
+    prepare_process()
+    # deferred: `m3patch --help` and the other commands stay light (the command table is lazy)
+    from m3patch.patching.api import Mode, apply_series, ensure_series, verify_tree
 
     tree, series = tree_and_series(args)
-    report = apply_series(tree, series, dry_run=args.dry_run, only=args.only,
-                          mode="offset" if args.offset else "strict")
+    plain = not (args.dry_run or args.only or args.offset)
+    if args.verify and plain:  # the same path serve, bench and ci take
+        ensured = ensure_series(tree, series)
+        report, verify = ensured.report, ensured.verify
+    else:
+        report = apply_series(tree, series, dry_run=args.dry_run, only=args.only,
+                              mode=Mode.OFFSET if args.offset else Mode.STRICT)
+        verify = None
     for note in report.notes:
         err(f"m3patch: {note}")
     for line in report.offsets:
@@ -34,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if not report.applied:
         say(f"m3patch: series {series.id} already applied to {tree.root}")
     if args.verify and not args.dry_run:
-        verify = verify_tree(tree, series, contents=report.contents)
-        verify.raise_for_failure()
+        if verify is None:
+            verify = verify_tree(tree, series, contents=report.contents)
+            verify.raise_for_failure()
         say(f"m3patch: verified {len(verify.checked)} file(s); compiled with {verify.compiler}")
     say(report.summary())
     return 0

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
+import io
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
-from m3patch.errors import UsageError
+from m3patch.errors import Interrupted
 from m3patch.patching.locate import VllmTree, find_vllm
-from m3patch.patching.series import Series, load_series
-
-ENV_SERIES = "M3PATCH_SERIES"
-REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
+from m3patch.patching.series import Series, find_series_dir, load_series
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -32,36 +32,31 @@ def tree_from(args: argparse.Namespace) -> VllmTree:
     return find_vllm(args.python, args.vllm_root)
 
 
-def base_version(version: str) -> str:
-    head = version.split("+", 1)[0]
-    parts = []
-    for part in head.split("."):
-        if not part.isdigit():
-            break
-        parts.append(part)
-    return ".".join(parts)
-
-
 def series_dir(args: argparse.Namespace, tree: VllmTree | None) -> Path:
-    """--series, then $M3PATCH_SERIES, then patches/vllm-<base> here or in the m3patch checkout."""
-    if args.series is not None:
-        return Path(args.series)
-    if os.environ.get(ENV_SERIES):
-        return Path(os.environ[ENV_SERIES])
-    if tree is None:
-        msg = "no series given"
-        raise UsageError(msg, hint="pass --series patches/vllm-<version>")
-    name = f"vllm-{base_version(tree.version)}"
-    for candidate in (Path("patches") / name, REPO_PATCHES / name):
-        if (candidate / "series.yaml").is_file():
-            return candidate
-    msg = f"no series for vLLM {tree.version} (looked for patches/{name}/series.yaml)"
-    raise UsageError(msg, hint="pass --series DIR, or write the series for this version")
+    """--series, else the default lookup for the tree's vLLM version (patching.series)."""
+    return find_series_dir(args.series, None if tree is None else tree.version)
 
 
 def tree_and_series(args: argparse.Namespace) -> tuple[VllmTree, Series]:
     tree = tree_from(args)
     return tree, load_series(series_dir(args, tree))
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    msg = f"received signal {signal.Signals(signum).name}"
+    raise Interrupted(msg, hint="re-run the same command; the next apply or revert completes or "
+                      "rolls back an interrupted transaction")
+
+
+def prepare_process() -> None:
+    """SIGTERM unwinds like Ctrl-C (exit 130, as documented; the tree lock is released and a
+    transaction left half-done is finished or undone by the next run), and text the locale
+    cannot encode (LANG=C: ASCII) is escaped instead of ending in an internal error."""
+    if threading.current_thread() is threading.main_thread():  # signal() works only there
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and "utf" not in stream.encoding.lower():
+            stream.reconfigure(errors="backslashreplace")
 
 
 def say(line: str) -> None:

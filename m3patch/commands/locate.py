@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from m3patch.commands.common import add_tree_options, say, tree_from
+from m3patch.commands.common import add_tree_options, prepare_process, say, tree_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     tree = tree_from(args)
     fields = {"root": str(tree.root), "package_dir": str(tree.package_dir),
               "version": tree.version, "commit": tree.commit,

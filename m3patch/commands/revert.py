@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from m3patch.commands.common import add_series_option, add_tree_options, err, say, tree_and_series
+from m3patch.commands.common import (
+    add_series_option,
+    add_tree_options,
+    err,
+    prepare_process,
+    say,
+    tree_and_series,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     from m3patch.patching.api import revert_series
 
     tree, series = tree_and_series(args)

@@ -1,18 +1,16 @@
-"""`m3patch series lock|show`: generate the pins of a series; show what it contains.
-
-`lock` applies every patch, in order and exactly, to a pristine tree in memory and writes
-series.lock.json: target, sha256 of each .patch, and of every file's pre- and post-image.
-"""
+"""`m3patch series lock|show`: pin a series on a pristine tree; show what it contains."""
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from m3patch import __version__
-from m3patch.commands.common import say, series_dir
+from m3patch.commands.common import prepare_process, say, series_dir
 from m3patch.errors import UsageError
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import pristine_tree
+from m3patch.patching.series import load_series
+from m3patch.patching.series_lock import lock_series
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,46 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _lock(args: argparse.Namespace) -> int:
-    from m3patch.fsio import replace_atomic
-    from m3patch.patching import engine
-    from m3patch.patching.diffs import parse_patch, safe_target
-    from m3patch.patching.ledger import digest
-    from m3patch.patching.locate import check_target, tree_at
-    from m3patch.patching.series import LOCK, LOCK_SCHEMA, load_series
-
     series = load_series(series_dir(args, None), with_lock=False)
-    if args.pristine:
-        from m3patch.patching.pristine import pristine_tree
-
-        root = pristine_tree(series.target_version)
-    else:
-        root = Path(args.tree)
-    tree = tree_at(root)
-    check_target(tree, series.target_version, series.target_commit)
-    patches = []
-    for entry in series.patches:
-        data = series.patch_path(entry).read_bytes()
-        patches.append((entry.id, parse_patch(data, str(series.patch_path(entry))), digest(data)))
-    paths = {fp.path for _, patch, _ in patches for fp in patch.files}
-    pristine = {}
-    for rel in sorted(paths):
-        target = safe_target(tree.root, rel)
-        pristine[rel] = target.read_bytes() if target.is_file() else None
-    pins = engine.lock_pins(patches, pristine)
-    body = {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
-            "target": {"vllm-version": series.target_version, "commit": series.target_commit},
-            "pinned-from": tree.version + (f" (commit {tree.commit})" if tree.commit else ""),
-            "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
-                         "files": [{"path": f.path, "pre": f.pre, "post": f.post}
-                                   for f in p.files]} for p in pins]}
-    replace_atomic(series.directory / LOCK, (json.dumps(body, indent=2) + "\n").encode())
-    say(f"m3patch: wrote {series.directory / LOCK}: {len(pins)} patch(es), {len(paths)} file(s)")
+    root = pristine_tree(series.target_version) if args.pristine else Path(args.tree)
+    written = lock_series(series, tree_at(root))
+    say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    from m3patch.patching.series import load_series
-
     series = load_series(series_dir(args, None))
     say(f"{series.id}: vLLM {series.target_version}"
         f"{' commit ' + series.target_commit if series.target_commit else ''}"
@@ -82,6 +48,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     if args.action == "lock":
         return _lock(args)
     if args.action == "show":

@@ -1,8 +1,9 @@
 """`m3patch status [--json]`: per patch, per file and per hunk state; files win over the ledger.
 
 Exit 0 when every file is pristine or applied (the series may be partly applied, patch by patch);
-exit 5 (PatchConflict) when any file is partially applied, drifted, or already upstream, i.e. a
-state that neither `apply` nor `revert` takes as it is. The report is printed either way.
+exit 5 (PatchConflict) when any file is partially applied, drifted, modified after apply, missing
+or already upstream, i.e. a state that neither `apply` nor `revert` takes as it is, or when a
+killed run's transaction is pending (status only reports it: apply or revert recovers it). The report is printed either way.
 """
 
 from __future__ import annotations
@@ -11,22 +12,30 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from m3patch.commands.common import add_series_option, add_tree_options, say, tree_and_series
+from m3patch.commands.common import (
+    add_series_option,
+    add_tree_options,
+    prepare_process,
+    say,
+    tree_and_series,
+)
 from m3patch.errors import PatchConflict
 
 if TYPE_CHECKING:
-    from m3patch.patching.tree_state import StatusReport
+    from m3patch.patching.status import StatusReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("exit 0: every file pristine or applied; exit 5: a file is partially "
-                     "applied, drifted or upstreamed (see docs/exit-codes.md)")
+                     "applied, drifted, modified after apply, missing or upstreamed "
+                     "(see docs/exit-codes.md)")
     add_tree_options(parser)
     add_series_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
+    prepare_process()
     from m3patch.patching.api import tree_status
 
     tree, series = tree_and_series(args)
@@ -35,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         say(json.dumps(report.to_json(), indent=2))
     else:
         _print_tables(report, f"{series.id} on {tree.root} (vLLM {tree.version})")
+    if report.interrupted:
+        msg = "an interrupted transaction is pending in vllm/.m3patch/journal.json"
+        raise PatchConflict(msg, hint="m3patch apply (or m3patch revert) completes or rolls it back")
     if report.conflicts:
         msg = (f"{len(report.conflicts)} file(s) that neither apply nor revert can take: "
                + ", ".join(report.conflicts))

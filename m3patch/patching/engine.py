@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from m3patch.errors import PatchConflict
 from m3patch.patching import hunks as hk
-from m3patch.patching.diffs import FilePatch, Hunk, PatchFile, decode, encode, split_lines
+from m3patch.patching.diffs import FilePatch, Hunk, PatchFile
+from m3patch.patching.hunks import to_bytes, to_lines
 from m3patch.patching.ledger import Ledger, digest
-from m3patch.patching.series import FilePin, PatchPin
+from m3patch.patching.series_lock import FilePin, PatchPin
+from m3patch.patching.states import FileState, Mode, PatchState
 
 PRISTINE, APPLIED, PARTIAL, DRIFTED, UPSTREAM = (
-    "pristine", "applied", "partially applied", "drifted", "upstreamed")
+    FileState.PRISTINE, FileState.APPLIED, FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class Chain:
 @dataclass(frozen=True)
 class FileStatus:
     path: str
-    state: str
+    state: FileState
     stage: int | None  # index into chain.hashes when the file equals a pinned image
     current: str | None
     hunks: tuple[tuple[str, hk.HunkState], ...]  # (patch id, state) when off every pin
@@ -53,14 +55,6 @@ class FilePlan:
     post: str | None
     data: bytes | None
     offsets: tuple[tuple[str, hk.HunkState], ...] = ()
-
-
-def to_lines(data: bytes | None) -> list[str]:
-    return [] if data is None else split_lines(decode(data))
-
-
-def to_bytes(lines: list[str]) -> bytes:
-    return encode("".join(lines))
 
 
 def build_chains(patches: Sequence[tuple[PatchFile, PatchPin]]) -> tuple[Chain, ...]:
@@ -76,21 +70,6 @@ def build_chains(patches: Sequence[tuple[PatchFile, PatchPin]]) -> tuple[Chain, 
     return tuple(Chain(path, tuple(s)) for path, s in steps.items())
 
 
-def _step_bytes(step: Step, data: bytes | None) -> bytes | None:
-    """One patch's effect on one file, exact; None = the file is deleted."""
-    fp = step.file
-    if fp.kind == "add" and data is not None:
-        msg = f"{fp.path}: patch {step.patch_id} adds this file but it already exists"
-        raise PatchConflict(msg, hint="m3patch status shows what is there")
-    out = hk.apply_exact(to_lines(data), fp.hunks, fp.path)
-    if fp.kind == "delete":
-        if out:
-            msg = f"{fp.path}: patch {step.patch_id} deletes it, but lines remain after its hunks"
-            raise PatchConflict(msg, hint="regenerate the patch from the pristine tree")
-        return None
-    return to_bytes(out)
-
-
 def classify(chain: Chain, data: bytes | None) -> FileStatus:
     current = None if data is None else digest(data)
     hashes = chain.hashes
@@ -98,6 +77,8 @@ def classify(chain: Chain, data: bytes | None) -> FileStatus:
         if hashes[stage] == current:
             state = APPLIED if stage == len(hashes) - 1 else PRISTINE if stage == 0 else PARTIAL
             return FileStatus(chain.path, state, stage, current, ())
+    if data is None:  # absence is a state of its own, never "matches" a pin by default
+        return FileStatus(chain.path, FileState.MISSING, None, None, ())
     lines = to_lines(data)
     states = tuple((s.patch_id, h) for s in chain.steps
                    for h in hk.probe(lines, s.file.hunks, chain.path))
@@ -115,7 +96,7 @@ def post_image(chain: Chain, stage: int, data: bytes | None) -> FilePlan:
     """Apply the chain's remaining steps to a file at pinned `stage`; each step's result is
     checked against its pin, so a lock that does not match its patches is caught here."""
     for step in chain.steps[stage:]:
-        data = _step_bytes(step, data)
+        data = hk.apply_file(step.file, data, step.patch_id)
         got = None if data is None else digest(data)
         if got != step.pin.post:
             msg = f"{chain.path}: patch {step.patch_id} gives sha256 {got}, lock pins {step.pin.post}"
@@ -175,7 +156,7 @@ def revert_plans(chains: Sequence[Chain], statuses: Mapping[str, FileStatus],
                  ledger: Ledger | None) -> tuple[list[FilePlan], list[str]]:
     """(plans back to the pinned pre-images, diagnosis lines of files no pin explains); after an
     offset apply, a file equal to the post-image the ledger recorded is undone at offsets."""
-    offset = ledger is not None and ledger.mode == "offset"
+    offset = ledger is not None and ledger.mode == Mode.OFFSET
     recorded = {f.path: f.post for f in ledger.files} if ledger is not None else {}
     plans, conflicts = [], []
     for chain in chains:
@@ -193,42 +174,29 @@ def revert_plans(chains: Sequence[Chain], statuses: Mapping[str, FileStatus],
     return plans, conflicts
 
 
-def patch_states(chains: Sequence[Chain], statuses: Mapping[str, FileStatus]) -> dict[str, str]:
+def patch_states(chains: Sequence[Chain],
+                 statuses: Mapping[str, FileStatus]) -> dict[str, PatchState]:
     """Per patch: applied / pending / partially applied / conflict, from its files' stages."""
-    seen: dict[str, set[str]] = {}
+    seen: dict[str, set[PatchState]] = {}
     for chain in chains:
         status = statuses[chain.path]
         for position, step in enumerate(chain.steps, start=1):
             if status.stage is None:
-                state = "conflict" if status.state != UPSTREAM else UPSTREAM
+                state = PatchState.UPSTREAM if status.state == UPSTREAM else PatchState.CONFLICT
             else:
-                state = "applied" if status.stage >= position else "pending"
+                state = PatchState.APPLIED if status.stage >= position else PatchState.PENDING
             seen.setdefault(step.patch_id, set()).add(state)
-    return {pid: next(iter(s)) if len(s) == 1 else "conflict" if "conflict" in s else PARTIAL
+    return {pid: next(iter(s)) if len(s) == 1 else
+            PatchState.CONFLICT if PatchState.CONFLICT in s else PatchState.PARTIAL
             for pid, s in seen.items()}
 
 
 def diagnosis(status: FileStatus) -> list[str]:
     """Human lines: the file's state, then each hunk's state and first differing line."""
+    if status.state == FileState.MISSING:
+        return [f"{status.path}: missing (the series pins this file; it does not exist)"]
     out = [f"{status.path}: {status.state} (sha256 {str(status.current)[:12]} matches no pin)"]
     for patch_id, h in status.hunks:
         tail = f": {h.detail}" if h.detail else ""
         out.append(f"  {patch_id} hunk {h.index} @ line {h.line}: {h.state}{tail}")
     return out
-
-
-def lock_pins(patches: Sequence[tuple[str, PatchFile, str]],
-              pristine: Mapping[str, bytes | None]) -> tuple[PatchPin, ...]:
-    """Pins for `series lock`: apply every patch in order, exactly, to the pristine files."""
-    current = dict(pristine)
-    pins: list[PatchPin] = []
-    for patch_id, patch, patch_sha in patches:
-        files: list[FilePin] = []
-        for fp in patch.files:
-            before = current.get(fp.path)
-            pre = None if before is None else digest(before)
-            after = _step_bytes(Step(patch_id, fp, FilePin(fp.path, pre, None)), before)
-            current[fp.path] = after
-            files.append(FilePin(fp.path, pre, None if after is None else digest(after)))
-        pins.append(PatchPin(patch_id, patch.name, patch_sha, tuple(files)))
-    return tuple(pins)

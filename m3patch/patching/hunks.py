@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m3patch.errors import PatchConflict
-from m3patch.patching.diffs import Hunk
+from m3patch.patching.diffs import FilePatch, Hunk, decode, encode, split_lines
 
 PENDING, APPLIED, CONFLICT, AMBIGUOUS = "pending", "applied", "conflict", "ambiguous"
 
@@ -21,6 +21,28 @@ class HunkState:
     line: int  # 1-based line probed in the current file
     detail: str  # first differing line for a conflict, else ""
     offset: int = 0  # lines away from the header's position (offset mode only)
+
+
+def to_lines(data: bytes | None) -> list[str]:
+    return [] if data is None else split_lines(decode(data))
+
+
+def to_bytes(lines: list[str]) -> bytes:
+    return encode("".join(lines))
+
+
+def apply_file(fp: FilePatch, data: bytes | None, patch_id: str) -> bytes | None:
+    """One patch's effect on one file, exact; None = the file is deleted."""
+    if fp.kind == "add" and data is not None:
+        msg = f"{fp.path}: patch {patch_id} adds this file but it already exists"
+        raise PatchConflict(msg, hint="m3patch status shows what is there")
+    out = apply_exact(to_lines(data), fp.hunks, fp.path)
+    if fp.kind == "delete":
+        if out:
+            msg = f"{fp.path}: patch {patch_id} deletes it, but lines remain after its hunks"
+            raise PatchConflict(msg, hint="regenerate the patch from the pristine tree")
+        return None
+    return to_bytes(out)
 
 
 def old_index(hunk: Hunk) -> int:

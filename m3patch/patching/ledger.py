@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from m3patch import __version__
-from m3patch.errors import TreeIOError
+from m3patch.errors import HostilePatch, TreeIOError
+from m3patch.patching.diffs import check_rel_path
+from m3patch.patching.states import Mode
 
 LEDGER_SCHEMA = 1
 STATE_DIR = ".m3patch"
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def digest(data: bytes) -> str:
@@ -60,7 +64,7 @@ class Ledger:
     schema: int
     tool: str
     series: str
-    mode: str  # 'strict' | 'offset'
+    mode: Mode  # strict | offset
     vllm_version: str
     vllm_commit: str | None
     version_note: str
@@ -73,7 +77,7 @@ class Ledger:
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
-def new_ledger(*, series: str, mode: str, vllm_version: str, vllm_commit: str | None,
+def new_ledger(*, series: str, mode: Mode, vllm_version: str, vllm_commit: str | None,
                version_note: str, patches: tuple[str, ...],
                files: tuple[LedgerFile, ...]) -> Ledger:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -81,11 +85,50 @@ def new_ledger(*, series: str, mode: str, vllm_version: str, vllm_commit: str | 
                   vllm_commit, version_note, patches, files, stamp)
 
 
-def _dirs(raw: object) -> tuple[str, ...]:
+def check_sha256(value: object, key: str) -> str | None:
+    """A sha256 hex digest or None (no file), else ValueError: state files are untrusted."""
+    if value is not None and not (isinstance(value, str) and SHA256_RE.match(value)):
+        msg = f"{key!r} {value!r} is not a sha256 (64 lowercase hex digits) or null"
+        raise ValueError(msg)
+    return value
+
+
+def dirs_above(path: str, raw: object, key: str) -> tuple[str, ...]:
+    """Folders recorded for a file (made for it, removed with it) must be folders above it,
+    inside vllm/ and never vllm/ itself; anything else is a ValueError."""
     if not isinstance(raw, list) or not all(isinstance(d, str) for d in raw):
-        msg = f"'dirs' must be a list of paths, not {raw!r}"
-        raise TypeError(msg)
+        msg = f"{key!r} must be a list of folders, not {raw!r}"
+        raise ValueError(msg)
+    parents = {str(p) for p in PurePosixPath(path).parents} - {"vllm", "."}
+    outside = [d for d in raw if d not in parents]
+    if outside:
+        msg = f"{key!r}: {outside[0]!r} is not a folder above {path} inside vllm/"
+        raise ValueError(msg)
     return tuple(raw)
+
+
+def confined(path: object, where: str) -> str:
+    """A file path confined to vllm/ by the checks diffs get, as a ValueError (state files)."""
+    if not isinstance(path, str):
+        msg = f"path {path!r} is not a string"
+        raise ValueError(msg)
+    try:
+        return check_rel_path(path, where)
+    except HostilePatch as exc:
+        raise ValueError(exc.message) from None
+
+
+def _ledger_file(raw: dict[str, object], where: str) -> LedgerFile:
+    path = confined(raw["path"], where)
+    return LedgerFile(path, check_sha256(raw["pre"], "pre"), check_sha256(raw["post"], "post"),
+                      dirs_above(path, raw.get("dirs", []), "dirs"))
+
+
+def _mode(raw: object) -> Mode:
+    if raw not in (Mode.STRICT, Mode.OFFSET):
+        msg = f"'mode' must be 'strict' or 'offset', not {raw!r}"
+        raise ValueError(msg)
+    return Mode(raw)
 
 
 def parse_ledger(data: bytes, where: str) -> Ledger:
@@ -94,12 +137,11 @@ def parse_ledger(data: bytes, where: str) -> Ledger:
         if raw["schema"] != LEDGER_SCHEMA:
             msg = f"{where}: ledger schema {raw['schema']} is not {LEDGER_SCHEMA}"
             raise TreeIOError(msg, hint="m3patch revert with the m3patch that wrote it")
-        files = tuple(LedgerFile(f["path"], f["pre"], f["post"], _dirs(f.get("dirs", [])))
-                      for f in raw["files"])
-        return Ledger(raw["schema"], raw["tool"], raw["series"], raw["mode"],
+        files = tuple(_ledger_file(f, where) for f in raw["files"])
+        return Ledger(raw["schema"], raw["tool"], raw["series"], _mode(raw["mode"]),
                       raw["vllm_version"], raw["vllm_commit"], raw["version_note"],
                       tuple(raw["patches"]), files, raw["time"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         msg = f"{where}: corrupt ledger ({type(exc).__name__}: {exc})"
         raise TreeIOError(msg, hint="m3patch apply rewrites it from the files") from None
 

@@ -19,21 +19,31 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
 
-from m3patch.errors import LockTimeout, TreeIOError
-from m3patch.fsio import DEFAULT_MODE, fsync_dir, replace_atomic, write_new
-from m3patch.patching.ledger import file_digest, journal_path, ledger_path, state_dir
+from m3patch.errors import LockTimeout, TreeIOError, UsageError
+from m3patch.fsio import DEFAULT_MODE, fsync_dir, read_json, replace_atomic, write_new
+from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.patching.ledger import (
+    check_sha256,
+    dirs_above,
+    file_digest,
+    journal_path,
+    ledger_path,
+    state_dir,
+)
 
 JOURNAL = "journal.json"
+PHASES = ("stage", "commit")
 DEFAULT_LOCK_TIMEOUT_S = 300.0
+ENV_LOCK_TIMEOUT = "M3PATCH_LOCK_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,29 @@ class Entry:
     drop_dirs: tuple[str, ...] = ()
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Entry:
-        return cls(raw["path"], raw["pre"], raw["post"], raw["stage"], raw["backup"],
-                   tuple(raw.get("made_dirs", ())), tuple(raw.get("drop_dirs", ())))
+    def from_json(cls, raw: object, root: Path) -> Entry:
+        """An entry read back from the journal, validated like a hostile diff: the path confined
+        to vllm/ with no symlink on the way (HostilePatch), hashes well-formed, the stage and
+        backup names the ones this writer derives from the path, folders only above the file."""
+        if not isinstance(raw, dict):
+            msg = f"entry is a {type(raw).__name__}, not an object"
+            raise ValueError(msg)
+        if not isinstance(raw["path"], str):
+            msg = f"'path' {raw['path']!r} is not a string"
+            raise ValueError(msg)
+        path = check_rel_path(raw["path"], str(journal_path(root)))  # HostilePatch, exit 9
+        safe_target(root, path)
+        pre, post = check_sha256(raw["pre"], "pre"), check_sha256(raw["post"], "post")
+        name = PurePosixPath(path).name
+        stage = f".{name}.m3patch-new" if post is not None else None
+        backup = f".{name}.m3patch-pre" if pre is not None else None
+        if (raw["stage"], raw["backup"]) != (stage, backup):
+            msg = (f"{path}: stage/backup {raw['stage']!r}, {raw['backup']!r} are not the names "
+                   f"this writer uses ({stage!r}, {backup!r})")
+            raise ValueError(msg)
+        made = dirs_above(path, raw.get("made_dirs", []), "made_dirs")
+        drop = dirs_above(path, raw.get("drop_dirs", []), "drop_dirs")
+        return cls(path, pre, post, stage, backup, made, drop)
 
 
 class _Steps:
@@ -82,11 +112,28 @@ class _Steps:
             raise OSError(5, f"M3PATCH_FAULT injected I/O error after step {self.count}")
 
 
+def lock_timeout_from_env() -> float:
+    """$M3PATCH_LOCK_TIMEOUT in seconds (default 300); anything but a finite number >= 0 is a
+    usage error (exit 2), never a crash or an endless wait (NaN never passes a deadline)."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        msg = f"${ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds >= 0"
+        raise UsageError(msg, hint=f"unset it (default {DEFAULT_LOCK_TIMEOUT_S:.0f} s) or set "
+                         f"e.g. {ENV_LOCK_TIMEOUT}=600")
+    return value
+
+
 @contextlib.contextmanager
 def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
     """Exclusive flock on <root>/vllm/.m3patch/lock; LockTimeout after the deadline."""
     if timeout_s is None:
-        timeout_s = float(os.environ.get("M3PATCH_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT_S))
+        timeout_s = lock_timeout_from_env()
     path = state_dir(root) / "lock"
     try:
         path.parent.mkdir(exist_ok=True)
@@ -243,22 +290,37 @@ def _completable(root: Path, entry: Entry) -> bool:
     return staged is not None and file_digest(staged) == entry.post
 
 
+def read_journal(root: Path) -> tuple[str, list[Entry], bytes | None]:
+    """The journal of a killed run, validated before any of it is acted on: a phase this writer
+    writes, entries confined to vllm/ (HostilePatch, exit 9), else TreeIOError (exit 7)."""
+    path = journal_path(root)
+    hint = f"inspect it, restore the tree (pip install --force-reinstall vllm), then delete {path}"
+    body = read_json(path, error=TreeIOError, hint=hint, expect=dict)
+    try:
+        if body["phase"] not in PHASES:
+            msg = f"unknown phase {body['phase']!r} (this m3patch writes {' or '.join(PHASES)})"
+            raise ValueError(msg)
+        if not isinstance(body["entries"], list) or not isinstance(body["ledger"], str | None):
+            msg = "'entries' must be a list and 'ledger' text or null"
+            raise ValueError(msg)
+        entries = [Entry.from_json(e, root) for e in body["entries"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"{path}: invalid journal ({type(exc).__name__}: {exc}); nothing was changed"
+        raise TreeIOError(msg, hint=hint) from None
+    ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
+    return str(body["phase"]), entries, ledger
+
+
 def recover(root: Path) -> str | None:
     """Finish or undo a transaction a killed run left behind; call it holding the lock."""
     for leftover in state_dir(root).glob(".*.tmp*"):  # replace_atomic temps of a killed run
         if leftover.name.rpartition(".tmp")[2].isdigit():
             leftover.unlink()
     path = journal_path(root)
-    try:
-        body = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    if not path.exists():
         return None
-    except (OSError, ValueError) as exc:
-        msg = f"{path}: unreadable journal ({exc})"
-        raise TreeIOError(msg, hint=f"inspect it, restore the tree, then delete {path}") from None
-    entries = [Entry.from_json(e) for e in body["entries"]]
-    ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
-    if body["phase"] == "commit" and all(_completable(root, e) for e in entries):
+    phase, entries, ledger = read_journal(root)
+    if phase == "commit" and all(_completable(root, e) for e in entries):
         for entry in entries:
             _swap(root, entry)
         _finish(root, entries, ledger, _Steps())

@@ -1,0 +1,287 @@
+"""Apply: plan the change from a classified snapshot, then commit it through the writer.
+
+The write half of the pipeline pin -> read -> classify -> plan -> commit; revert.py is its
+mirror and shares the report, the lock discipline and the one-series rule defined here. A real
+run takes the tree lock, finishes or rolls back a transaction a killed run left (writer.recover),
+then reads, plans and commits under that lock. A dry run takes no lock and creates nothing: it plans on the
+files as they are and says when a pending transaction would be recovered first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
+
+from m3patch.errors import PatchConflict, TreeIOError, UsageError, VersionMismatch
+from m3patch.patching.diffs import safe_target
+from m3patch.patching.ledger import (
+    Ledger,
+    LedgerFile,
+    journal_path,
+    new_ledger,
+    read_ledger,
+    state_dir,
+)
+from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.series import Series
+from m3patch.patching.series_lock import Pinned, load_patches, pinned
+from m3patch.patching.snapshot import (
+    Contents,
+    Snapshot,
+    current_hashes,
+    ledger_view,
+    read_and_classify,
+    read_files,
+    transaction_pending,
+)
+from m3patch.patching.states import FileState, Mode
+
+if TYPE_CHECKING:
+    from m3patch.patching import engine, writer
+
+DRY_RUN_PENDING = "an interrupted transaction is pending; a real run recovers it first"
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    series_id: str
+    mode: Mode
+    dry_run: bool
+    applied: tuple[str, ...]  # patch ids this run wrote (reverted, in revert mode)
+    already: tuple[str, ...]  # patch ids that were in place before (not applied, in revert mode)
+    files_written: tuple[str, ...] = ()  # every path this run wrote or deleted
+    offsets: tuple[str, ...] = ()  # offset mode: one line per hunk that moved
+    notes: tuple[str, ...] = ()  # journal recovery, version policy, ledger repairs
+    deleted: tuple[str, ...] = ()  # the paths of files_written that were deleted
+    # the already-applied path read and hashed these; verify_tree(contents=...) reuses them
+    contents: Contents | None = field(default=None, repr=False, compare=False)
+
+    def summary(self) -> str:
+        if self.mode == Mode.REVERT:
+            verb = "would revert" if self.dry_run else "reverted"
+            return f"m3patch: {len(self.applied)} {verb}, {len(self.already)} not applied, 0 conflicts"
+        verb = "would apply" if self.dry_run else "applied"
+        return (f"m3patch: {len(self.applied)} {verb}, {len(self.already)} already applied, "
+                "0 conflicts")
+
+
+@contextlib.contextmanager
+def locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[None]:
+    """A real run: the tree lock, and recovery of a killed run's journal under it. A dry run:
+    neither (it must work on a tree the user cannot write), only a note."""
+    if dry_run:
+        if transaction_pending(tree.root):
+            notes.append(DRY_RUN_PENDING)
+        yield
+        return
+    from m3patch.patching import writer  # deferred: the already-applied fast path never writes
+
+    with writer.tree_lock(tree.root):
+        recovered = writer.recover(tree.root)
+        notes.extend([recovered] if recovered else [])
+        yield
+
+
+def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
+    """One tree holds one series: its ledger names it. Taking over a tree another series
+    patched would leave that series' other files patched and its folders unrecorded."""
+    ledger, series = snap.ledger, snap.series
+    if ledger is None or ledger.series == series.id or not ledger.files:
+        return
+    msg = (f"{tree.root}: the tree holds series {ledger.series} (vllm/.m3patch/ledger.json), "
+           f"not {series.id}; one tree holds one series at a time")
+    hint = (f"switch: `m3patch revert --vllm-root {tree.root} --series <folder of "
+            f"{ledger.series}>`, then `m3patch apply --vllm-root {tree.root} "
+            f"--series {series.directory}`")
+    raise PatchConflict(msg, hint=hint)
+
+
+def _version_note(tree: VllmTree, series: Series, mode: Mode) -> str:
+    try:
+        return check_target(tree, series.target_version, series.target_commit)
+    except VersionMismatch as exc:
+        if mode != Mode.OFFSET:
+            raise
+        return f"offset mode: {exc.message}"
+
+
+def _selected(snap: Snapshot, only: Iterable[str] | None) -> tuple[engine.Chain, ...]:
+    if not only:
+        return snap.chains
+    wanted = set(only)
+    unknown = wanted - {p.id for p in snap.series.patches}
+    if unknown:
+        msg = f"--only {sorted(unknown)[0]}: no such patch in series {snap.series.id}"
+        raise UsageError(msg, hint=f"m3patch series show --series {snap.series.directory}")
+    chosen = []
+    for chain in snap.chains:
+        ids = {s.patch_id for s in chain.steps}
+        if ids & wanted and not ids <= wanted:
+            msg = f"--only: {chain.path} is also changed by {sorted(ids - wanted)}; select those too"
+            raise UsageError(msg, hint="add every patch that touches the same file to --only")
+        if ids & wanted:
+            chosen.append(chain)
+    return tuple(chosen)
+
+
+def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[engine.FilePlan]:
+    from m3patch.patching import engine  # deferred: the already-applied fast path never plans
+
+    plans, conflicts = [], []
+    view = ledger_view(snap)  # offset-applied files, and files modified since m3patch wrote them
+    for chain in chains:
+        status = snap.statuses[chain.path]
+        if status.stage == len(chain.steps) or view[chain.path].state == FileState.APPLIED_OFFSET:
+            continue
+        if status.stage is not None:
+            plans.append(engine.post_image(chain, status.stage, snap.contents[chain.path]))
+        elif mode == Mode.OFFSET:
+            plans.append(engine.offset_image(chain, snap.contents[chain.path]))
+        else:
+            conflicts.extend(engine.diagnosis(view[chain.path]))
+    if conflicts:
+        msg = "refusing to patch files that match no pinned image:\n" + "\n".join(conflicts)
+        version = snap.series.target_version
+        raise PatchConflict(msg, hint="m3patch status; restore with `pip install --force-reinstall "
+                            f"--no-deps vllm=={version}`, or port the patch (apply --offset)")
+    return plans
+
+
+def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, note: str,
+                plans: list[engine.FilePlan], made: Mapping[str, tuple[str, ...]]) -> Ledger:
+    planned = {p.path: p for p in plans}
+    old = {f.path: f for f in snap.ledger.files} if snap.ledger else {}
+    view = ledger_view(snap)
+    files = []
+    for chain in snap.chains:
+        plan = planned.get(chain.path)
+        if plan is not None:
+            files.append(LedgerFile(chain.path, plan.pre, plan.post, made.get(chain.path, ())))
+        elif view[chain.path].state == FileState.APPLIED_OFFSET:  # keep what --offset recorded
+            files.append(old[chain.path])
+            mode = Mode.OFFSET
+        elif snap.statuses[chain.path].stage == len(chain.steps):
+            dirs = old[chain.path].dirs if chain.path in old else ()
+            files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1], dirs))
+    done = {f.path for f in files}
+    patches = tuple(p.id for p in snap.series.patches
+                    if all(c.path in done for c in snap.chains
+                           if any(s.patch_id == p.id for s in c.steps)))
+    return new_ledger(series=snap.series.id, mode=mode, vllm_version=tree.version,
+                      vllm_commit=tree.commit, version_note=note, patches=patches,
+                      files=tuple(files))
+
+
+def _record(led: Ledger) -> tuple[object, ...]:
+    return (led.series, led.mode, led.patches, led.vllm_version,
+            {f.path: (f.pre, f.post) for f in led.files})
+
+
+def _same(a: Ledger | None, b: Ledger) -> bool:
+    return a is not None and _record(a) == _record(b)
+
+
+def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Per new file, the folders this apply must create for it (shallowest first); a folder
+    needed by two new files is named once, so exactly the created folders are recorded."""
+    made: dict[str, tuple[str, ...]] = {}
+    claimed: set[str] = set()
+    for plan in plans:
+        if plan.pre is not None or plan.post is None:
+            continue
+        parents = list(PurePosixPath(plan.path).parents)[:-2]  # stop above vllm/
+        missing = [str(d) for d in reversed(parents) if not (tree.root / d).exists()]
+        made[plan.path] = tuple(d for d in missing if d not in claimed)
+        claimed.update(missing)
+    return made
+
+
+def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
+                     notes: list[str]) -> ApplyReport | None:
+    """The common case, decided without the lock or any patch parsed: no journal, a ledger of
+    this series, and every file equal to the post-image it records (the final pin, or after
+    `apply --offset` the offset post-image). Anything else: None, and the locked path decides."""
+    series = pins.series
+    try:  # a journal, or a temp file of a killed run: the locked path recovers and cleans up
+        if not {p.name for p in state_dir(tree.root).iterdir()} <= {"ledger.json", "lock"}:
+            return None
+    except OSError:
+        return None
+    try:
+        ledger = read_ledger(tree.root)
+    except TreeIOError:
+        return None
+    ids = tuple(p.id for p in series.patches)
+    if ledger is None or (ledger.series, ledger.patches, ledger.vllm_version) != (
+            series.id, ids, tree.version):
+        return None
+    recorded = {f.path: (f.pre, f.post) for f in ledger.files}
+    if recorded.keys() != pins.hashes.keys():
+        return None
+    contents = read_files(tree, list(pins.hashes))
+    currents = current_hashes(contents)
+    for path, hashes in pins.hashes.items():
+        pre, post = recorded[path]
+        exact = (pre, post) == (hashes[0], hashes[-1])
+        if currents[path] != post or not (exact or ledger.mode == Mode.OFFSET):
+            return None  # an offset ledger: files equal to the post-images --offset recorded
+    if journal_path(tree.root).exists():
+        return None  # a transaction that began while we read
+    return ApplyReport(series_id=series.id, mode=Mode.STRICT, dry_run=dry_run, applied=(),
+                       already=ids, notes=tuple(notes), contents=contents)
+
+
+def _changes(tree: VllmTree, chains: Iterable[engine.Chain], plans: list[engine.FilePlan],
+             made: Mapping[str, tuple[str, ...]]) -> list[writer.Change]:
+    from m3patch.patching import engine, writer  # deferred: only a run that writes needs them
+
+    by_path = {c.path: c for c in chains}
+    changes = [writer.Change(p.path, p.pre, p.post, p.data,
+                             engine.new_file_mode(by_path[p.path], "add") if p.pre is None else None,
+                             made.get(p.path, ())) for p in plans]
+    for change in changes:
+        safe_target(tree.root, change.path)
+    return changes
+
+
+def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
+                 only: Iterable[str] | None = None, mode: Mode | str = Mode.STRICT) -> ApplyReport:
+    """Apply the whole series (or `only` some patches) as one transaction; idempotent."""
+    if mode not in (Mode.STRICT, Mode.OFFSET):
+        msg = f"unknown mode {mode!r}"
+        raise UsageError(msg, hint="use mode='strict' or mode='offset'")
+    mode = Mode(mode)
+    note = _version_note(tree, series, mode)
+    pins = pinned(series)
+    notes = [] if note == f"{tree.version} accepted" else [note]
+    if not only and mode == Mode.STRICT:
+        done = _already_applied(tree, pins, dry_run, notes)
+        if done is not None:
+            return done
+    patches = load_patches(series, pins.raw)
+    with locked_or_dry(tree, dry_run, notes):
+        snap = read_and_classify(tree, series, patches)
+        refuse_other_series(snap, tree)
+        chains = _selected(snap, only)
+        plans = _plan(snap, chains, mode)
+        made = _missing_dirs(tree, plans)
+        ledger = _ledger_for(snap, tree, mode, note, plans, made)
+        if not dry_run and (plans or not _same(snap.ledger, ledger)):
+            if not plans:
+                notes.append("files already patched; the ledger was missing or stale: rewritten")
+            from m3patch.patching import writer  # deferred: only a run that writes needs it
+
+            writer.commit(tree.root, _changes(tree, chains, plans, made), ledger.to_bytes())
+    wanted = {s.patch_id for c in chains for s in c.steps}
+    pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
+    offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
+                    for p in plans for pid, h in p.offsets if h.offset)
+    order = [p.id for p in series.patches if p.id in wanted]
+    return ApplyReport(series_id=series.id, mode=mode, dry_run=dry_run,
+                       applied=tuple(i for i in order if i in pending),
+                       already=tuple(i for i in order if i not in pending),
+                       files_written=tuple(p.path for p in plans), offsets=offsets,
+                       notes=tuple(notes), deleted=tuple(p.path for p in plans if p.post is None))

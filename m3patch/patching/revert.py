@@ -1,0 +1,81 @@
+"""Revert: every file back to its exact pinned pre-image (re-read after the write), ledger removed.
+
+The mirror of apply.py, with the same report, lock discipline (a dry run takes no lock) and
+one-series rule. After `apply --offset`, files equal to the recorded offset post-images are
+undone at offsets.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from m3patch.errors import PatchConflict, VerifyFailed
+from m3patch.patching.apply import ApplyReport, locked_or_dry, refuse_other_series
+from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.patching.ledger import file_digest
+from m3patch.patching.locate import VllmTree
+from m3patch.patching.series import Series
+from m3patch.patching.series_lock import load_patches
+from m3patch.patching.snapshot import Snapshot, read_and_classify
+from m3patch.patching.states import Mode
+
+if TYPE_CHECKING:
+    from m3patch.patching import engine, writer
+
+
+def revert_plans(snap: Snapshot) -> list[engine.FilePlan]:
+    from m3patch.patching import engine  # deferred: off the fast path
+
+    plans, conflicts = engine.revert_plans(snap.chains, snap.statuses, snap.contents, snap.ledger)
+    if conflicts:
+        msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
+        raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
+                            f"vllm=={snap.series.target_version}`")
+    return plans
+
+
+def _revert_change(snap: Snapshot, plan: engine.FilePlan) -> writer.Change:
+    """A file the revert deletes takes the folders the apply made for it (from the ledger)."""
+    from m3patch.patching import engine, writer  # deferred: off the fast path
+
+    chain = next(c for c in snap.chains if c.path == plan.path)
+    recorded = {f.path: f.dirs for f in snap.ledger.files} if snap.ledger else {}
+    drop = tuple(check_rel_path(d, "ledger.json dirs") for d in recorded.get(plan.path, ()))
+    return writer.Change(plan.path, plan.pre, plan.post, plan.data,
+                         engine.new_file_mode(chain, "delete") if plan.pre is None else None,
+                         drop_dirs=drop if plan.post is None else ())
+
+
+def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
+    """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
+    patches = load_patches(series)
+    notes: list[str] = []
+    with locked_or_dry(tree, dry_run, notes):
+        snap = read_and_classify(tree, series, patches)
+        refuse_other_series(snap, tree)
+        plans = revert_plans(snap)
+        if not dry_run and (plans or snap.ledger is not None):
+            from m3patch.patching import writer  # deferred: off the fast path
+
+            changes = [_revert_change(snap, p) for p in plans]
+            for change in changes:
+                safe_target(tree.root, change.path)
+            writer.commit(tree.root, changes, None)
+            _check_written(tree, plans)
+    reverted = {s.patch_id for p in plans for c in snap.chains if c.path == p.path
+                for s in c.steps}
+    order = [p.id for p in series.patches]
+    return ApplyReport(series_id=series.id, mode=Mode.REVERT, dry_run=dry_run,
+                       applied=tuple(i for i in order if i in reverted),
+                       already=tuple(i for i in order if i not in reverted),
+                       files_written=tuple(p.path for p in plans), notes=tuple(notes),
+                       deleted=tuple(p.path for p in plans if p.post is None))
+
+
+def _check_written(tree: VllmTree, plans: list[engine.FilePlan]) -> None:
+    """Re-read what the transaction wrote: a revert promises the exact pinned pre-images."""
+    for plan in plans:
+        got = file_digest(tree.root / plan.path)
+        if got != plan.post:
+            msg = f"{plan.path}: sha256 {got} after the write, expected {plan.post}"
+            raise VerifyFailed(msg, hint="m3patch status; the disk or another writer interfered")

@@ -1,0 +1,220 @@
+"""series.lock.json: where a series is pinned (computed on a pristine tree), written and read.
+
+`m3patch series lock` applies every patch, in order and exactly, to the pristine files in memory
+and writes the target, the sha256 of each .patch and of every file's pre- and post-image, so
+nobody edits a hash by hand. Apply, verify and status read the lock back as untrusted input and
+check every .patch against its pin (`pinned`) before trusting a byte of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from m3patch import __version__
+from m3patch.errors import UsageError
+from m3patch.fsio import read_json, write_json_atomic
+from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
+from m3patch.patching.hunks import apply_file
+from m3patch.patching.ledger import SHA256_RE, digest
+from m3patch.patching.locate import VllmTree, check_target
+
+if TYPE_CHECKING:
+    from m3patch.patching.diffs import PatchFile
+    from m3patch.patching.series import Series
+
+LOCK = "series.lock.json"
+LOCK_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class FilePin:
+    path: str
+    pre: str | None  # sha256 hex; None = the file does not exist before
+    post: str | None  # None = the patch deletes it
+
+
+@dataclass(frozen=True)
+class PatchPin:
+    id: str
+    file: str
+    sha256: str  # of the .patch bytes: an edited patch makes the lock stale
+    files: tuple[FilePin, ...]
+
+
+@dataclass(frozen=True)
+class SeriesLock:
+    series_id: str
+    target_version: str
+    target_commit: str | None
+    patches: tuple[PatchPin, ...]
+
+    def pin(self, patch_id: str) -> PatchPin:
+        return next(p for p in self.patches if p.id == patch_id)
+
+
+def relock_hint(directory: Path) -> str:
+    return f"m3patch series lock --pristine --series {directory}"
+
+
+# ---- read: the lock as untrusted input ---------------------------------------------------------
+
+def _sha(value: object, where: str, *, optional: bool) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not SHA256_RE.match(value):
+        msg = f"{where}: {value!r} is not a sha256 (64 lowercase hex digits)"
+        raise ValueError(msg)
+    return value
+
+
+def _file_pin(raw: Any, where: str) -> FilePin:
+    path = check_rel_path(str(raw["path"]), where)
+    pre = _sha(raw["pre"], f"{where} {path} pre", optional=True)
+    post = _sha(raw["post"], f"{where} {path} post", optional=True)
+    if pre == post:  # a pin that changes nothing would make apply skip the patch silently
+        msg = f"{where} {path}: post-image hash equals the pre-image hash"
+        raise ValueError(msg)
+    return FilePin(path, pre, post)
+
+
+def _patch_pin(raw: Any) -> PatchPin:
+    where = f"patch {raw['id']!r}"
+    sha = _sha(raw["sha256"], f"{where} sha256", optional=False)
+    files = tuple(_file_pin(f, where) for f in raw["files"])
+    return PatchPin(str(raw["id"]), str(raw["file"]), str(sha), files)
+
+
+def read_lock(path: Path) -> SeriesLock:
+    """Parse and validate series.lock.json: hashes well-formed, paths confined to vllm/."""
+    hint = relock_hint(path.parent)
+    raw = read_json(path, error=UsageError, hint=hint, expect=dict)
+    if raw.get("schema") != LOCK_SCHEMA:
+        msg = f"{path}: lock schema {raw.get('schema')!r} is not {LOCK_SCHEMA}"
+        raise UsageError(msg, hint=hint)
+    try:
+        pins = tuple(_patch_pin(p) for p in raw["patches"])
+        _check_chains(pins)
+        target = raw["target"]
+        return SeriesLock(str(raw["series"]), str(target["vllm-version"]),
+                          target.get("commit"), pins)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        msg = f"{path}: unreadable lock ({type(exc).__name__}: {exc})"
+        raise UsageError(msg, hint=hint) from None
+
+
+def _check_chains(pins: Sequence[PatchPin]) -> None:
+    """Each file's pins form one chain: a patch starts from the image the previous one left."""
+    last: dict[str, str | None] = {}
+    for pin in pins:
+        for file in pin.files:
+            if file.path in last and last[file.path] != file.pre:
+                msg = (f"patch {pin.id!r} {file.path}: pre-image hash is not the post-image "
+                       "hash of the previous patch on this file")
+                raise ValueError(msg)
+            last[file.path] = file.post
+
+
+def check_lock_matches(lock: SeriesLock, series: Series, path: Path) -> None:
+    manifest = [(p.id, p.file) for p in series.patches]
+    locked = [(p.id, p.file) for p in lock.patches]
+    same_target = (lock.target_version, lock.target_commit) == (
+        series.target_version, series.target_commit)
+    if manifest != locked or lock.series_id != series.id or not same_target:
+        msg = f"{path}: stale: series.yaml changed (ids, files, order or target) since the lock"
+        raise UsageError(msg, hint=relock_hint(series.directory))
+
+
+# ---- pin: compute on a pristine tree, write ----------------------------------------------------
+
+def compute_pins(patches: Sequence[tuple[str, PatchFile, str]],
+                 pristine: Mapping[str, bytes | None]) -> tuple[PatchPin, ...]:
+    """Apply every patch in order, exactly, to the pristine files (pure)."""
+    current = dict(pristine)
+    pins: list[PatchPin] = []
+    for patch_id, patch, patch_sha in patches:
+        files: list[FilePin] = []
+        for fp in patch.files:
+            before = current.get(fp.path)
+            after = apply_file(fp, before, patch_id)
+            current[fp.path] = after
+            files.append(FilePin(fp.path, None if before is None else digest(before),
+                                 None if after is None else digest(after)))
+        pins.append(PatchPin(patch_id, patch.name, patch_sha, tuple(files)))
+    return tuple(pins)
+
+
+def _lock_body(series: Series, tree: VllmTree, pins: Sequence[PatchPin]) -> dict[str, Any]:
+    return {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
+            "target": {"vllm-version": series.target_version, "commit": series.target_commit},
+            "pinned-from": tree.version + (f" (commit {tree.commit})" if tree.commit else ""),
+            "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
+                         "files": [{"path": f.path, "pre": f.pre, "post": f.post}
+                                   for f in p.files]} for p in pins]}
+
+
+@dataclass(frozen=True)
+class LockWritten:
+    path: Path
+    patches: int
+    files: int
+
+
+def lock_series(series: Series, tree: VllmTree) -> LockWritten:
+    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json."""
+    check_target(tree, series.target_version, series.target_commit)
+    patches = []
+    for entry in series.patches:
+        data = series.patch_path(entry).read_bytes()
+        patches.append((entry.id, parse_patch(data, str(series.patch_path(entry))), digest(data)))
+    paths = sorted({fp.path for _, patch, _ in patches for fp in patch.files})
+    pristine = {}
+    for rel in paths:
+        target = safe_target(tree.root, rel)
+        pristine[rel] = target.read_bytes() if target.is_file() else None
+    pins = compute_pins(patches, pristine)
+    path = series.directory / LOCK
+    write_json_atomic(path, _lock_body(series, tree, pins))
+    return LockWritten(path, len(pins), len(paths))
+
+
+# ---- use: the lock checked against the .patch bytes --------------------------------------------
+
+@dataclass(frozen=True)
+class Pinned:
+    series: Series
+    hashes: dict[str, tuple[str | None, ...]]  # per file: pristine, then after each patch on it
+    raw: dict[str, bytes]  # per patch id: the .patch bytes, read once and checked against the lock
+
+
+def pinned(series: Series) -> Pinned:
+    """The lock's chain of hashes per file; refuses a patch edited since `series lock`."""
+    lock = series.require_lock()
+    raw = {}
+    for entry in series.patches:
+        path = series.patch_path(entry)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            msg = f"{path}: cannot read: {exc.strerror}"
+            raise UsageError(msg, hint="restore the patch file") from None
+        if digest(data) != lock.pin(entry.id).sha256:
+            msg = f"{path}: changed since series.lock.json was generated"
+            raise UsageError(msg, hint=relock_hint(series.directory))
+        raw[entry.id] = data
+    hashes: dict[str, list[str | None]] = {}
+    for pin in lock.patches:
+        for file in pin.files:
+            hashes.setdefault(file.path, [file.pre]).append(file.post)
+    return Pinned(series, {p: tuple(h) for p, h in hashes.items()}, raw)
+
+
+def load_patches(series: Series, raw: Mapping[str, bytes] | None = None,
+                 ) -> tuple[tuple[PatchFile, PatchPin], ...]:
+    """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
+    raw = pinned(series).raw if raw is None else raw
+    lock = series.require_lock()
+    return tuple((parse_patch(raw[e.id], str(series.patch_path(e))), lock.pin(e.id))
+                 for e in series.patches)

@@ -1,0 +1,124 @@
+"""Read and classify: the series' files as they are on disk, their states, and the ledger.
+
+The read half of the pipeline pin -> read -> classify -> plan -> commit. Nothing here writes:
+status and verify are built on it and must work on a tree the user cannot write. Files win over
+the ledger: every state comes from content hashes and hunk probes; the ledger is only compared
+with them to report that it is stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from m3patch.errors import TreeIOError
+from m3patch.patching.diffs import safe_target
+from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
+from m3patch.patching.locate import VllmTree
+from m3patch.patching.series import Series
+from m3patch.patching.states import FileState, Mode
+
+if TYPE_CHECKING:
+    from m3patch.patching import engine
+    from m3patch.patching.diffs import PatchFile
+    from m3patch.patching.series_lock import PatchPin
+
+Contents = Mapping[str, bytes | None]
+PENDING_TRANSACTION = ("an interrupted transaction is pending (vllm/.m3patch/journal.json): "
+                       "`m3patch apply` or `m3patch revert` completes or rolls it back")
+
+
+def read_files(tree: VllmTree, paths: list[str]) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for rel in paths:
+        path = safe_target(tree.root, rel)
+        try:
+            out[rel] = path.read_bytes()
+        except FileNotFoundError:
+            out[rel] = None
+        except OSError as exc:
+            msg = f"{path}: cannot read: {exc.strerror}"
+            raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
+    return out
+
+
+def current_hashes(contents: Contents) -> dict[str, str | None]:
+    return {p: None if d is None else digest(d) for p, d in contents.items()}
+
+
+def transaction_pending(root: Path) -> bool:
+    """A journal left by a killed run; only apply/revert (under the tree lock) act on it."""
+    return journal_path(root).exists()
+
+
+def ledger_or_note(tree: VllmTree) -> tuple[Ledger | None, str | None]:
+    try:
+        return read_ledger(tree.root), None
+    except TreeIOError as exc:
+        return None, f"ignored: {exc.message}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The series' files as read, classified against their chains of pins, with the ledger."""
+
+    series: Series
+    chains: tuple[engine.Chain, ...]
+    contents: dict[str, bytes | None]
+    statuses: dict[str, engine.FileStatus]
+    ledger: Ledger | None
+    ledger_note: str | None = None
+
+
+def read_and_classify(tree: VllmTree, series: Series,
+                      patches: tuple[tuple[PatchFile, PatchPin], ...],
+                      contents: Contents | None = None) -> Snapshot:
+    from m3patch.patching import engine  # deferred: the already-applied fast path never loads it
+
+    chains = engine.build_chains(patches)
+    data = dict(contents) if contents is not None else read_files(tree, [c.path for c in chains])
+    statuses = {c.path: engine.classify(c, data[c.path]) for c in chains}
+    ledger, note = ledger_or_note(tree)
+    return Snapshot(series, chains, data, statuses, ledger, note)
+
+
+def ledger_view(snap: Snapshot) -> dict[str, engine.FileStatus]:
+    """The states status and verify report, where the ledger of this series explains a file that
+    matches no pin: equal to the post-image an offset apply recorded is applied (offset); any
+    other content in a file m3patch wrote was modified after apply (never "upstreamed")."""
+    ledger = snap.ledger
+    ours = ledger is not None and ledger.series == snap.series.id
+    recorded = {f.path: f.post for f in ledger.files} if ledger is not None and ours else {}
+    offset = ledger is not None and ledger.mode == Mode.OFFSET
+    view = {}
+    for chain in snap.chains:
+        status = snap.statuses[chain.path]
+        if status.stage is None and chain.path in recorded:
+            if offset and recorded[chain.path] == status.current:
+                status = replace(status, state=FileState.APPLIED_OFFSET, stage=len(chain.steps),
+                                 hunks=())
+            elif status.state != FileState.MISSING:
+                status = replace(status, state=FileState.MODIFIED)
+        view[chain.path] = status
+    return view
+
+
+def ledger_notes(series_id: str, hashes: Mapping[str, tuple[str | None, ...]],
+                 currents: Mapping[str, str | None], ledger: Ledger | None,
+                 ledger_note: str | None) -> list[str]:
+    """Where the ledger disagrees with the files (the files win)."""
+    notes = [ledger_note] if ledger_note else []
+    if ledger is None:
+        if any(currents[p] == h[-1] for p, h in hashes.items()):
+            notes.append("no ledger, but patched files are present: `m3patch apply` records it")
+        return notes
+    if ledger.series != series_id:
+        notes.append(f"ledger records series {ledger.series}, not {series_id}")
+    stale = [f.path for f in ledger.files if f.path in currents and currents[f.path] != f.post
+             and currents[f.path] in hashes.get(f.path, ())]  # back at a pin: apply re-applies
+    if stale:
+        notes.append(f"stale ledger: it records {len(stale)} patched file(s) that are not "
+                     f"(e.g. {stale[0]}; vLLM reinstalled?); `m3patch apply` re-applies")
+    return notes

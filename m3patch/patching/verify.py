@@ -1,0 +1,109 @@
+"""Verify: every file equals its pinned post-image, every patched .py compiles, every .json parses.
+
+Read-only: an interrupted transaction is reported as a problem, never recovered here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from m3patch.errors import VerifyFailed
+from m3patch.patching.locate import VllmTree, compile_with
+from m3patch.patching.series import Series
+from m3patch.patching.series_lock import load_patches, pinned
+from m3patch.patching.snapshot import (
+    PENDING_TRANSACTION,
+    Contents,
+    current_hashes,
+    ledger_notes,
+    ledger_or_note,
+    ledger_view,
+    read_and_classify,
+    read_files,
+    transaction_pending,
+)
+from m3patch.patching.states import Mode
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    series_id: str
+    checked: tuple[str, ...]
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+    compiler: str = ""  # which interpreter compiled the patched .py files, and why that one
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_failure(self) -> None:
+        if self.problems:
+            msg = f"{len(self.problems)} problem(s) in the patched tree:\n" + "\n".join(self.problems)
+            raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
+
+
+def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
+    errors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
+        for path, data in sources.items():
+            try:
+                compile(data, path, "exec", dont_inherit=True)
+            except (SyntaxError, ValueError) as exc:
+                errors[path] = str(exc)
+    return errors
+
+
+def content_problems(python: str | None, contents: Contents) -> tuple[str, list[str]]:
+    """Compile every .py with the tree's interpreter (in memory: no .pyc is written) and parse
+    every .json. Returns (which interpreter compiled, problems)."""
+    sources = {p: d for p, d in contents.items() if d is not None and p.endswith(".py")}
+    here = f"{sys.executable} (Python {sys.version.split()[0]})"
+    if python is None:
+        who = f"{here}: m3patch's own; no interpreter known for this tree (pass --python)"
+        errors = _compile_here(sources)
+    elif os.path.realpath(python) == os.path.realpath(sys.executable):
+        who, errors = f"{here}: the tree's interpreter", _compile_here(sources)
+    else:
+        version, errors = compile_with(python, dict(sources))
+        who = f"{python} (Python {version}): the tree's interpreter"
+    problems = [f"{p}: does not compile with {who.split(':')[0]}: {e}" for p, e in errors.items()]
+    for path, data in contents.items():
+        if data is not None and path.endswith(".json"):
+            try:
+                json.loads(data)
+            except ValueError as exc:
+                problems.append(f"{path}: does not parse: {exc}")
+    return who, problems
+
+
+def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = None) -> VerifyReport:
+    """Every file equals its pinned post-image (or the ledger's, after an offset apply), every
+    patched .py compiles, every .json parses. `contents`: the files as just read and hashed by
+    this process (apply's already-applied path), so they are not read twice."""
+    pins = pinned(series)
+    problems = [PENDING_TRANSACTION] if transaction_pending(tree.root) else []
+    data = contents if contents is not None else read_files(tree, list(pins.hashes))
+    currents = current_hashes(data)
+    ledger, note = ledger_or_note(tree)
+    offset = {f.path: f.post for f in ledger.files} if (
+        ledger is not None and ledger.mode == Mode.OFFSET) else {}
+    off = [p for p, h in pins.hashes.items() if currents[p] != offset.get(p, h[-1])]
+    if off:  # only now parse the patches: the diagnosis needs per-hunk probes
+        from m3patch.patching import engine  # deferred: the already-applied path never needs it
+
+        view = ledger_view(read_and_classify(tree, series, load_patches(series, pins.raw), data))
+        for path in off:
+            status = view[path]
+            problems.extend(engine.diagnosis(status) if status.stage is None else
+                            [f"{path}: {status.state}, not the pinned post-image"])
+    who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
+    notes = ledger_notes(series.id, pins.hashes, currents, ledger, note)
+    return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),
+                        problems=(*problems, *bad), notes=tuple(notes), compiler=who)
