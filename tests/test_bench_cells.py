@@ -45,11 +45,12 @@ def test_only_plain_tp_is_a_latency_shape() -> None:
     assert not Parallelism(tp=8, dp_attention=True).is_tp_only
 
 
-def test_a_split_tp_only_shape_gets_one_latency_point() -> None:
+def test_sweep_cells_are_the_rows_in_order() -> None:
     rows = ((32, 16, (1, 2)), (32, 16, (4, 8)), (64, 16, (4,)), (64, 16, (8,)))
-    cells = sweep_cells(rows, Parallelism(tp=2), 0.0)
+    cells = sweep_cells(rows, Parallelism(tp=2), 0.0, 5, 1)
     assert [(c.seq.isl, c.concurrency) for c in cells] == [
-        (32, 1), (32, 2), (32, 4), (32, 8), (64, 1), (64, 4), (64, 8)]
+        (32, 1), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)]
+    assert (cells[-1].num_prompts, cells[-1].num_warmups) == (40, 8)
 
 
 def test_a_repeated_cell_is_refused() -> None:

@@ -142,20 +142,6 @@ def expand(
 SweepRowValues = tuple[int, int, tuple[int, ...]]  # (isl, osl, concurrencies) of one sweep row
 
 
-def with_latency_point(par: Parallelism, rows: Sequence[SweepRowValues]) -> list[SweepRowValues]:
-    """TP-only rows are latency rows (InferenceX generate_sweep_configs.py, "capturing the
-    single-request latency point"): an isl/osl shape none of whose rows runs concurrency 1 gets
-    it added in front of its first row. Other parallelisms run what the rows say."""
-    covered = {(isl, osl) for isl, osl, concs in rows if 1 in concs}
-    out = []
-    for isl, osl, concs in rows:
-        if par.is_tp_only and (isl, osl) not in covered:
-            concs = (1, *concs)
-            covered.add((isl, osl))
-        out.append((isl, osl, concs))
-    return out
-
-
 def sweep_cells(
     rows: Sequence[SweepRowValues],
     parallelism: Parallelism,
@@ -163,9 +149,13 @@ def sweep_cells(
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY,
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY,
 ) -> tuple[Cell, ...]:
-    """Every cell of a sweep, in run order, latency points added, each cell id once."""
+    """Every cell of a sweep, in run order, each cell id once: exactly the rows' concurrencies.
+
+    Nothing is added: InferenceX's latency point (TP-only rows start at concurrency 1) is
+    written in the recipe, where `recipe show` and the bench see it too.
+    """
     cells: list[Cell] = []
-    for isl, osl, concs in with_latency_point(parallelism, rows):
+    for isl, osl, concs in rows:
         cells += expand([SeqLen(isl, osl)], concs, parallelism, range_ratio,
                         prompts_per_concurrency, warmups_per_concurrency)
     seen: set[str] = set()

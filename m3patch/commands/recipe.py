@@ -77,7 +77,7 @@ def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
 
 
 def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:
-    """isl, osl and the concurrencies the bench runs for each shape (latency points included)."""
+    """isl, osl and the concurrencies the bench runs for each shape."""
     shapes: dict[tuple[int, int], list[str]] = {}
     for cell in cells:
         shapes.setdefault((cell.seq.isl, cell.seq.osl), []).append(str(cell.concurrency))
