@@ -1,5 +1,5 @@
 """`m3patch ci`: step results, one exit code, the run folder (real tree; the serve step's child
-fails for want of a model, which is a real failure of the real `m3patch bench`)."""
+fails for want of a model, which is a real failure of the real serve step, run in-process)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from m3patch.bench.runner import check_results
 from m3patch.commands import ci
 from m3patch.errors import ResultsInvalid
 from m3patch.patching.ledger import ledger_path
@@ -49,7 +50,7 @@ def test_bad_recipe_fails_first_step_and_skips_the_rest(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_apply_verify_on_the_real_tree_then_the_bench_child_exit_code_is_the_jobs(
+def test_apply_verify_on_the_real_tree_then_the_serve_steps_exit_code_is_the_jobs(
     tmp_path: Path, vllm_tree: Path
 ) -> None:
     done = _ci(tmp_path, _recipe(tmp_path), {"M3PATCH_VLLM_ROOT": str(vllm_tree)})
@@ -61,20 +62,13 @@ def test_apply_verify_on_the_real_tree_then_the_bench_child_exit_code_is_the_job
     assert copied == ledger_path(vllm_tree).read_bytes()  # the ledger artifact is the tree's own
     assert steps["serve-sweep"]["status"] == "failed"
     assert steps["serve-sweep"]["exit_code"] == done.returncode == summary["exit_code"] == 2
-    assert "no-model" in (tmp_path / "run" / ci.SERVE_LOG).read_text()  # the child's own error
+    assert "no-model" in (tmp_path / "run" / ci.SERVE_LOG).read_text()  # the serve step's own error
     assert steps["results"]["status"] == "skipped"
 
 
 def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:
     with pytest.raises(ResultsInvalid, match="no per-cell result files under cells/"):
-        ci.check_results(tmp_path)
-
-
-def test_exit_code_is_the_first_failure() -> None:
-    steps = [ci.StepResult("a", "ok", 0, 0.0, ""), ci.StepResult("b", "failed", 13, 0.0, ""),
-             ci.StepResult("c", "failed", 17, 0.0, "")]
-    assert ci.exit_code_of(steps) == 13
-    assert ci.exit_code_of(steps[:1]) == 0
+        check_results(tmp_path)
 
 
 @pytest.mark.serve
