@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +66,29 @@ def test_apply_verify_on_the_real_tree_then_the_serve_steps_exit_code_is_the_job
     assert steps["serve-sweep"]["exit_code"] == done.returncode == summary["exit_code"] == 2
     assert "no-model" in (tmp_path / "run" / ci.SERVE_LOG).read_text()  # the serve step's own error
     assert steps["results"]["status"] == "skipped"
+
+
+def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp_path: Path) -> None:
+    """The recorded real run stands in for a finished sweep: ci --resume re-aggregates, re-reads
+    and plots it, touching no tree (apply-verify skipped) and starting no server."""
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
+    text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
+    recipe = tmp_path / "cpu_tiny_moe.yaml"
+    recipe.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    run = shutil.copytree(REPO / "tests" / "data" / "bench" / "runs" / "base", tmp_path / "run")
+    cmd = [sys.executable, "-m", "m3patch", "ci", str(recipe), "--resume", "--run-dir", str(run)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    steps = json.loads((run / ci.SUMMARY).read_text())["steps"]
+    assert [(s["name"], s["status"]) for s in steps] == [
+        ("recipe", "ok"), ("apply-verify", "skipped"), ("serve-sweep", "ok"), ("results", "ok")]
+    assert steps[3]["message"] == "3 cells, aggregate ok, 2 plots"
+    assert "aggregated" in (run / ci.SERVE_LOG).read_text()  # the step's own output, teed
+    assert not (run / "ledger.json").exists() and not (run / "server.log").exists()
+    assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
+        "interactivity_vs_throughput.png", "throughput_per_gpu.png"]
+    assert "ci: all steps passed" in done.stderr
 
 
 def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 The argv is built purely (`bench_argv`); `run_client` spawns it in its own process group and
 polls it against the cell deadline and the server's health, because the client itself fails open:
 it only warns when every request fails and exits 0 after partial failures (anchors.md §2.4).
+Whatever ends the wait, the group is stopped on the way out (serving.processes.stop_group).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Runs in the foreground until Ctrl-C (exit 130), `--hold` seconds pass, or, with
 `--stop-after-ready`, right after the server is ready and every required marker was seen.
+`--bench` runs the run pipeline instead (m3patch.run.pipeline, as `m3patch bench` does, with
+this command's run folder and live log): every cell, results, plots, then stop.
 """
 
 from __future__ import annotations
@@ -77,8 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
     session = ServeSession(recipe, run_dir, python=args.python, port=args.port,
                            echo=None if args.quiet else echo_server_line)
     with session:
-        info(f"ready in {session.ready_s:.1f} s at {session.base_url} (model {session.model}); "
-             f"markers ok; log {session.log_path}")
+        info(session.ready_line())
         if args.stop_after_ready:
             return 0
         end = None if args.hold is None else time.monotonic() + args.hold

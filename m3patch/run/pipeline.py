@@ -194,10 +194,8 @@ class RunPipeline:
             echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
         target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
         self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
-        ready = (f"ready in {session.ready_s:.1f} s at {session.base_url} (model {session.model}); "
-                 f"markers ok; log {session.log_path}")
-        info(ready)
-        return StepDone(ready, ("server.log", "serve.json"))
+        info(session.ready_line())
+        return StepDone(session.ready_line(), ("server.log", "serve.json"))
 
     def _external(self, base_url: str) -> ServerHandle:
         plan = self.planned

@@ -73,6 +73,10 @@ class ServeSession:
     def log_path(self) -> Path:
         return self.run_dir / "server.log"
 
+    def ready_line(self) -> str:
+        return (f"ready in {self.ready_s:.1f} s at {self.base_url} (model {self.model}); "
+                f"markers ok; log {self.log_path}")
+
     def __enter__(self) -> ServeSession:
         self._started = time.monotonic()
         ledger = self._ledger()
