@@ -8,9 +8,10 @@
       -> results       every cell file and aggregate.json read back; the plots (bench.runner)
       => StepResults (run.steps), reduced once to the exit code
 
-A resumed run whose cells are all finished skips apply-verify and serve (nothing to measure,
-so no server start to pay, and no tree is touched); `--url` skips apply-verify (not our tree).
-Each step method returns a StepDone or raises; the state a step leaves for the next is typed.
+The recipe step decides where the server comes from (ServerSource): a resumed run whose cells
+are all finished skips apply-verify and serve (nothing to measure: no server start to pay, no
+tree touched); `--url` skips apply-verify (not a tree m3patch patches). Each step method returns
+a StepDone or raises; what a step leaves for the next is typed (RunPlan, ServerHandle).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
 
 LEDGER_COPY = "ledger.json"
-NOTHING_TO_MEASURE = "every cell already has a valid result: no server needed"
 
 
 class RunCommand(str, Enum):
@@ -56,6 +56,20 @@ class RunCommand(str, Enum):
     BENCH = "bench"
     SERVE = "serve"
     CI = "ci"
+
+
+class ServerSource(str, Enum):
+    """Where the sweep's server comes from; decided once, by the recipe step."""
+
+    LAUNCHED = "launched"  # m3patch applies, verifies, starts and gates it
+    EXTERNAL = "external"  # --url: started elsewhere, only watched through /health
+    NONE = "none"  # resumed and every cell already has a valid result: nothing to measure
+
+
+SKIP_REASONS = {
+    ServerSource.EXTERNAL: "--url: a server m3patch neither patches nor starts",
+    ServerSource.NONE: "every cell already has a valid result: no server needed",
+}
 
 
 class PlotMode(str, Enum):
@@ -88,7 +102,7 @@ class RunPlan:
     python: str
     cells: tuple[Cell, ...]
     settings: SweepSettings
-    nothing_to_measure: bool  # resumed, and every cell already has a valid result
+    source: ServerSource
 
 
 @dataclass(frozen=True)
@@ -133,8 +147,13 @@ def plan_run(spec: RunSpec) -> RunPlan:
     rerun = f"m3patch bench {spec.recipe_path} --resume --run-dir {run_dir}"
     settings = SweepSettings(run_dir, spec.resume, spec.seed, rerun)
     refuse_overwrite(settings)
-    done = spec.resume and all_finished(run_dir, cells)
-    return RunPlan(recipe, run_dir, python, cells, settings, done)
+    return RunPlan(recipe, run_dir, python, cells, settings, server_source(spec, run_dir, cells))
+
+
+def server_source(spec: RunSpec, run_dir: Path, cells: tuple[Cell, ...]) -> ServerSource:
+    if spec.resume and all_finished(run_dir, cells):
+        return ServerSource.NONE
+    return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
 
 
 class RunPipeline:
@@ -170,11 +189,8 @@ class RunPipeline:
 
     def apply_verify(self) -> StepDone:
         plan = self.planned
-        if plan.nothing_to_measure:
-            return StepDone(NOTHING_TO_MEASURE, status=StepStatus.SKIPPED)
-        if self.spec.url:
-            return StepDone(f"--url {self.spec.url}: not a tree m3patch patches",
-                            status=StepStatus.SKIPPED)
+        if plan.source is not ServerSource.LAUNCHED:
+            return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
         ensured = ensure_tree(plan.recipe, plan.python)
         write_bytes_atomic(plan.run_dir / LEDGER_COPY, ensured.ledger_bytes)
         self.ledger_sha256 = ensured.ledger_sha256
@@ -184,9 +200,10 @@ class RunPipeline:
 
     def serve(self) -> StepDone:
         plan = self.planned
-        if plan.nothing_to_measure:
-            return StepDone(NOTHING_TO_MEASURE, status=StepStatus.SKIPPED)
-        if self.spec.url:
+        if plan.source is ServerSource.NONE:
+            return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+        if plan.source is ServerSource.EXTERNAL:
+            assert self.spec.url is not None
             self.server = self._external(self.spec.url.rstrip("/"))
             return StepDone(f"{self.server.target.base_url}/health answers")
         session = self._held.enter_context(ServeSession(
@@ -209,7 +226,7 @@ class RunPipeline:
         """Sweep the cells; the server is stopped when the sweep ends, passed or not."""
         plan = self.planned
         with self._held:
-            if plan.nothing_to_measure:
+            if plan.source is ServerSource.NONE:
                 reaggregate(plan.recipe, plan.run_dir, plan.cells)
                 return StepDone(f"{len(plan.cells)} cell(s) kept; aggregated without a server")
             assert self.server is not None, "the serve step runs first"
