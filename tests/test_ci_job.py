@@ -88,7 +88,7 @@ def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp
     assert not (run / "ledger.json").exists() and not (run / "server.log").exists()
     assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
         "interactivity_vs_throughput.png", "throughput_per_gpu.png"]
-    assert "ci: all steps passed" in done.stderr
+    assert "ci: all steps passed" in done.stderr and done.stdout == ""
 
 
 def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:
@@ -119,3 +119,4 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     assert len(list((run_dir / "cells").glob("*.json"))) >= 2
     assert len(list(run_dir.rglob("*.png"))) == 2
     assert "m3patch[provenance]: series=vllm-0.32.0" in (run_dir / "server.log").read_text()
+    assert "per-GPU results" in (run_dir / ci.SERVE_LOG).read_text()  # the sweep's table, teed

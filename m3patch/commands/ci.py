@@ -6,7 +6,7 @@ with a status; the first failure skips the rest and its exit code (errors.py) is
   apply-verify  apply the recipe's series to the tree the recipe's python imports, verify it,
                 copy the ledger into the run folder (m3patch.patching.api.ensure_series)
   serve-sweep   start vLLM on that tree, gate markers, sweep every cell, aggregate, stop the
-                server; this step's output also goes to RUN/ci-serve.log, its error included
+                server; this step's output goes to stderr and RUN/ci-serve.log, its error included
   results       every per-cell file and aggregate.json re-read and checked; the plots drawn
 The run folder then holds what users upload: server.log, serve.json, cells/*.json,
 aggregate.json/.csv, the PNG plots, ledger.json, ci-serve.log and ci.json (this summary).
@@ -69,7 +69,7 @@ def ci_steps(pipeline: RunPipeline) -> list[Step]:
 def _serve_sweep(pipeline: RunPipeline) -> StepDone:
     from m3patch.run.steps import StepDone, StepStatus
 
-    with teed_stderr(pipeline.planned.run_dir / SERVE_LOG):
+    with teed_output(pipeline.planned.run_dir / SERVE_LOG):
         served = pipeline.serve()
         swept = pipeline.sweep()
     if served.status is StepStatus.SKIPPED:
@@ -108,12 +108,14 @@ class _Tee(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def teed_stderr(log_path: Path) -> Iterator[None]:
-    """stderr also into `log_path`; the error that ends the block is written there too (the
-    terminal gets it once, from the error handler)."""
+def teed_output(log_path: Path) -> Iterator[None]:
+    """The block's stdout and stderr go to stderr and into `log_path` (the job's stdout stays
+    clean for what a workflow parses); the error that ends the block is written to the log too
+    (the terminal gets it once, from the error handler)."""
     with open(log_path, "w", encoding="utf-8", errors="replace") as log:
+        tee = cast(TextIO, _Tee(sys.stderr, log))
         try:
-            with contextlib.redirect_stderr(cast(TextIO, _Tee(sys.stderr, log))):
+            with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
                 yield
         except M3PatchError as exc:
             log.write(f"m3patch: error: {exc}\n")
