@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,16 @@ def test_a_resumed_cell_with_another_range_ratio_is_measured_again(
     assert all_finished(run, select_cells(load_recipe(recipe), ()))
     recipe.write_text(recipe.read_text().replace("range-ratio: 0.8", "range-ratio: 0.5"))
     assert not all_finished(run, select_cells(load_recipe(recipe), ()))
+
+
+def test_an_external_server_that_does_not_answer_is_18_and_no_tree_is_touched(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        code = main(["bench", str(recipe), "--url", url, "--run-dir", str(tmp_path / "r")])
+    assert code == 18
+    err = capsys.readouterr().err
+    assert f"{url}/health" in err and "--url" in err
+    assert not (tmp_path / "r" / "ledger.json").exists()  # apply-verify skipped: not our tree

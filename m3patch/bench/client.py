@@ -3,10 +3,12 @@
 The argv is built purely (`bench_argv`); `run_client` spawns it in its own process group and
 polls it against the cell deadline and the server's health, because the client itself fails open:
 it only warns when every request fails and exits 0 after partial failures (anchors.md §2.4).
+Whatever ends the wait, the group is stopped on the way out (serving.processes.stop_group).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -18,9 +20,12 @@ from pathlib import Path
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
 from m3patch.serving.launch_plan import LOOPBACK_ENV
+from m3patch.serving.processes import StopRung, stop_group
 
 POLL_SECONDS = 0.5
 TERM_GRACE_SECONDS = 5.0
+# The client holds no state worth a graceful SIGINT: SIGTERM, then SIGKILL and wait it out.
+STOP_LADDER = (StopRung(signal.SIGTERM, TERM_GRACE_SECONDS), StopRung(signal.SIGKILL, math.inf))
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,90,99"
 CLIENT_LOG_TAIL_LINES = 15
@@ -99,7 +104,7 @@ def run_client(
         try:
             returncode = _wait(proc, cell_id, started + deadline_s, deadline_s, check_server)
         finally:
-            _stop_group(proc)
+            stop_group(proc, STOP_LADDER)
     return ClientRun(returncode, time.monotonic() - started, log_path)
 
 
@@ -119,22 +124,6 @@ def _wait(
         if time.monotonic() > deadline:
             msg = f"cell {cell_id}: vllm bench serve still running after its {deadline_s:g} s deadline"
             raise BenchFailed(msg, hint=CELL_DEADLINE_HINT)
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the client's whole group, SIGKILL after a grace period; never leave it behind."""
-    if proc.poll() is not None:
-        return
-    for sig, grace in ((signal.SIGTERM, TERM_GRACE_SECONDS), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def log_tail(log_path: Path, lines: int = CLIENT_LOG_TAIL_LINES) -> str:

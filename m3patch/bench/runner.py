@@ -1,29 +1,30 @@
-"""`m3patch bench RECIPE`: start the patched server (ServeSession), sweep, plot, stop.
+"""The bench pieces the run pipeline (m3patch.run.pipeline) composes: cells, run folder, sweep,
+re-aggregation, the results check and the plots.
 
-`sweep_session(recipe, session, ...)` is the piece `m3patch serve --bench` and `m3patch ci`
-call with a session they already hold: it sweeps the recipe's cells against it while the
-session keeps watching the server log for forbidden markers and the run deadline.
+`sweep_session` sweeps the recipe's cells against a server the pipeline holds (a ServeSession,
+whose `check_alive` keeps watching the log for forbidden markers and the run deadline, or an
+external server watched through `/health`). `plot_run` is the one place a run's plots are drawn.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from m3patch.bench import spec
+from m3patch.bench.aggregate import CELLS_DIR, cell_files, load_aggregate, write_aggregate
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, server_died
-from m3patch.bench.sweep import SweepOutcome, SweepSettings, refuse_overwrite, run_sweep
-from m3patch.errors import UsageError
-from m3patch.recipe.loader import Recipe, load_recipe
-
-if TYPE_CHECKING:
-    from m3patch.serving.server_session import ServeSession
+from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
+from m3patch.bench.results import finished_cell, read_cell_file
+from m3patch.bench.sweep import SweepOutcome, SweepSettings, run_sweep
+from m3patch.errors import ResultsInvalid, UsageError
+from m3patch.output import info, warn
+from m3patch.recipe.loader import Recipe
 
 HEALTH_TIMEOUT_S = 5.0
 PLOTS_DIR = "plots"
@@ -85,82 +86,34 @@ def health_probe(base_url: str, rerun: str) -> Callable[[], None]:
     return check
 
 
-def bench_recipe(recipe_path: Path, args: argparse.Namespace) -> int:
-    recipe = load_recipe(recipe_path)
-    cells = select_cells(recipe, args.only)
-    run_dir = resolve_run_dir(recipe, args.run_dir, args.resume)
-    python = args.python or recipe.target.python
-    if python is None:
-        msg = f"{recipe.path}: no interpreter for the bench client (target.python unset)"
-        raise UsageError(msg, hint="pass --python PATH (the venv whose vLLM serves)")
-    settings = SweepSettings(run_dir, args.resume, args.seed,
-                             f"m3patch bench {recipe_path} --resume --run-dir {run_dir}")
-    refuse_overwrite(settings)
-    if args.resume and all_finished(run_dir, cells):
-        _reaggregate(recipe, run_dir, cells)  # nothing to measure: no server start to pay
-    elif args.url:
-        _sweep_external(recipe, python, args.url.rstrip("/"), settings, cells)
-    else:
-        from m3patch.serving.server_session import ServeSession
-
-        with ServeSession(recipe, run_dir, python=python, port=args.port) as session:
-            target = BenchTarget(Path(session.python), session.base_url, session.model,
-                                 session.tokenizer)
-            sweep_session(recipe, session.python, target, settings, cells, session.check_alive)
-    if not args.no_plots:
-        plot_run(run_dir)
-    return 0
-
-
-def _sweep_external(recipe: Recipe, python: str, base_url: str, settings: SweepSettings,
-                    cells: Sequence[Cell]) -> None:
-    target = BenchTarget(Path(python), base_url, recipe.model.served_name, recipe.model.tokenizer)
-    check = health_probe(base_url, f"{settings.rerun_hint} --url {base_url}")
-    check()
-    sweep_session(recipe, python, target, settings, cells, check,
-                  server=f"external {base_url} (not started or gated by m3patch)")
-
-
-def _reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell]) -> None:
-    from m3patch.bench.aggregate import CELLS_DIR, write_aggregate
-    from m3patch.bench.results import read_cell_file
-    from m3patch.output import info
-
+def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell]) -> None:
     first = read_cell_file(run_dir / CELLS_DIR / f"{cells[0].cell_id}.json")
     meta = run_meta(recipe, run_dir, first["m3patch"]["provenance"])
     write_aggregate(run_dir, meta, [cell.cell_id for cell in cells])
     info(f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def bench_in_session(recipe: Recipe, session: ServeSession, run_dir: Path,
-                     *, resume: bool = False) -> int:
-    """`m3patch serve RECIPE --bench`: sweep every cell against the session's server, plot."""
-    cells = select_cells(recipe, ())
-    settings = SweepSettings(run_dir, resume, rerun_hint=(
-        f"m3patch bench {recipe.path} --resume --run-dir {run_dir}"))
-    target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
-    sweep_session(recipe, session.python, target, settings, cells, session.check_alive)
-    plot_run(run_dir)
-    return 0
-
-
 def all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
-    from m3patch.bench.aggregate import CELLS_DIR
-    from m3patch.bench.results import finished_cell
-
     return all(finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
 
 
-def plot_run(run_dir: Path) -> list[Path]:
-    """Plots of a finished run; matplotlib is optional, so a sweep without it only warns."""
-    from m3patch.bench.aggregate import load_aggregate
-    from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
-    from m3patch.output import info, warn
+def check_results(run_dir: Path) -> tuple[list[Path], dict[str, Any]]:
+    """Every per-cell file and aggregate.json read back and validated; (cell files, aggregate)."""
+    cells = cell_files(run_dir)
+    if not cells:
+        msg = f"{run_dir}: no per-cell result files under cells/"
+        raise ResultsInvalid(msg, hint=f"m3patch ci RECIPE --resume --run-dir {run_dir}")
+    for path in cells:
+        read_cell_file(path)
+    return cells, load_aggregate(run_dir)
 
-    if not have_matplotlib():
+
+def plot_run(run_dir: Path, aggregate: dict[str, Any], *, required: bool) -> list[Path]:
+    """The run's plots in RUN/plots. matplotlib is optional: without it a run that does not
+    require plots only warns; one that does fails (UsageError from plots.draw)."""
+    if not required and not have_matplotlib():
         warn("matplotlib is not installed: no plots (pip install 'm3patch[plots]')")
         return []
-    aggregate = load_aggregate(run_dir)
     paths = draw([PlotRun("run", run_title(aggregate), tuple(aggregate["rows"]))],
                  run_dir / PLOTS_DIR)
     for path in paths:

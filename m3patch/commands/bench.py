@@ -1,4 +1,5 @@
-"""`m3patch bench RECIPE` (serve, sweep, stop) and `m3patch bench compare BASE NEW`.
+"""`m3patch bench RECIPE` (the run pipeline: apply, serve, sweep, stop, results, plots) and
+`m3patch bench compare BASE NEW`.
 
     m3patch bench recipes/cpu_tiny_moe.yaml                  # apply+verify, serve, sweep, plots
     m3patch bench recipes/cpu_tiny_moe.yaml --resume --run-dir results/cpu_tiny_moe/RUN
@@ -12,8 +13,12 @@ import argparse
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from m3patch.errors import Interrupted, UsageError
+
+if TYPE_CHECKING:
+    from m3patch.run.pipeline import RunSpec
 
 COMPARE = "compare"
 METRICS = ("tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu", "median_intvty")
@@ -53,12 +58,23 @@ def run(args: argparse.Namespace) -> int:
     if len(args.what) != 1:
         msg = f"bench takes one recipe, got {len(args.what)}: {' '.join(args.what)}"
         raise UsageError(msg, hint="m3patch bench RECIPE  (or: m3patch bench compare BASE NEW)")
-    from m3patch.bench.runner import bench_recipe
+    from m3patch.run.pipeline import RunPipeline
+    from m3patch.run.steps import finish, run_steps
 
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    return bench_recipe(Path(args.what[0]), args)
+    with RunPipeline(run_spec(Path(args.what[0]), args)) as pipeline:
+        outcome = run_steps(pipeline.steps(), lambda _result: None)
+    return finish(outcome)
+
+
+def run_spec(recipe: Path, args: argparse.Namespace) -> RunSpec:
+    from m3patch.run.pipeline import PlotMode, RunCommand, RunSpec
+
+    return RunSpec(recipe, RunCommand.BENCH, run_dir=args.run_dir, python=args.python,
+                   port=args.port, only=tuple(args.only), resume=args.resume, seed=args.seed,
+                   url=args.url, plots=PlotMode.OFF if args.no_plots else PlotMode.OPTIONAL)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -1,46 +1,38 @@
 """`m3patch ci RECIPE [--run-dir DIR]`: the one CI job, with one exit code and one run folder.
 
-Steps, in order, each a result with a status; the first failure skips the rest and its exit code
-(errors.py) is the job's:
-  recipe        load and validate the recipe; its model, draft and tokenizer must be on disk
+The run pipeline (m3patch.run.pipeline), in this process, reported as four steps, each a result
+with a status; the first failure skips the rest and its exit code (errors.py) is the job's:
+  recipe        load and validate the recipe, make the run folder
   apply-verify  apply the recipe's series to the tree the recipe's python imports, verify it,
-                copy the ledger into the run folder (in-process: m3patch.patching.api)
-  serve-sweep   `m3patch bench RECIPE --run-dir DIR` in a child process (its own signal
-                handling and process group discipline): apply+verify again (idempotent), start
-                vLLM, gate markers, sweep every cell, aggregate, plot
-  results       every per-cell file and aggregate.json re-read and checked; plots drawn if absent
+                copy the ledger into the run folder (m3patch.patching.api.ensure_series)
+  serve-sweep   start vLLM on that tree, gate markers, sweep every cell, aggregate, stop the
+                server; this step's output goes to stderr and RUN/ci-serve.log, its error included
+  results       every per-cell file and aggregate.json re-read and checked; the plots drawn
 The run folder then holds what users upload: server.log, serve.json, cells/*.json,
-aggregate.json/.csv, the PNG plots, ledger.json, and ci.json (this summary).
+aggregate.json/.csv, the PNG plots, ledger.json, ci-serve.log and ci.json (this summary).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import contextlib
+import io
+import signal
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, TextIO, cast
 
-from m3patch.errors import ALL_ERRORS, INTERNAL_ERROR_EXIT, M3PatchError, ResultsInvalid
-from m3patch.fsio import write_bytes_atomic, write_json_atomic
+from m3patch.errors import Interrupted, M3PatchError
+from m3patch.fsio import write_json_atomic
+
+if TYPE_CHECKING:
+    from m3patch.run.pipeline import RunPipeline
+    from m3patch.run.steps import Step, StepDone, StepResult
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
-PLOT_NAMES = ("throughput_per_gpu.png", "interactivity_vs_throughput.png")
-StepFn = Callable[[], tuple[str, tuple[str, ...]]]  # -> (message, artifacts)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    name: str
-    status: str  # ok | failed | skipped
-    exit_code: int
-    seconds: float
-    message: str
-    artifacts: tuple[str, ...] = ()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,148 +44,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from m3patch.output import info
+    from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
+    from m3patch.run.steps import finish, run_steps
 
-    state: dict[str, Any] = {"run_dir": args.run_dir, "resume": args.resume}
-    steps: list[tuple[str, StepFn]] = [
-        ("recipe", lambda: _load_recipe(args.recipe, state)),
-        ("apply-verify", lambda: _apply_verify(state)),
-        ("serve-sweep", lambda: _serve_sweep(args.recipe, state)),
-        ("results", lambda: check_results(state["run_dir"])),
-    ]
-    results: list[StepResult] = []
-    failure: M3PatchError | None = None
-    try:
-        for name, step in steps:
-            if failure is not None:
-                results.append(StepResult(name, "skipped", 0, 0.0, "an earlier step failed"))
-                continue
-            result, failure = _run_step(name, step)
-            results.append(result)
-            info(f"ci: {name}: {result.status} ({result.seconds:.1f} s) {result.message}")
-    finally:
-        if state.get("run_dir") is not None:
-            _write_summary(args.recipe, state["run_dir"], results)
-    if failure is not None:
-        raise failure
-    info(f"ci: all steps passed; artifacts in {state['run_dir']}")
-    return 0
+    # CI cancelling the job must unwind like Ctrl-C, so the server's group is stopped.
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    spec = RunSpec(args.recipe, RunCommand.CI, run_dir=args.run_dir, resume=args.resume,
+                   plots=PlotMode.REQUIRED)
+    with RunPipeline(spec) as pipeline:
+        outcome = run_steps(ci_steps(pipeline), _print_step)
+    run_dir = pipeline.plan.run_dir if pipeline.plan is not None else spec.run_dir
+    if run_dir is not None:  # no run folder is known before the recipe names one
+        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code)
+    code = finish(outcome)
+    info(f"ci: all steps passed; artifacts in {run_dir}")
+    return code
 
 
-def exit_code_of(results: list[StepResult]) -> int:
-    """The reduction: the first failed step's code, else 0."""
-    return next((r.exit_code for r in results if r.status == "failed"), 0)
+def ci_steps(pipeline: RunPipeline) -> list[Step]:
+    return [("recipe", pipeline.load), ("apply-verify", pipeline.apply_verify),
+            ("serve-sweep", lambda: _serve_sweep(pipeline)), ("results", pipeline.results)]
 
 
-def _run_step(name: str, step: StepFn) -> tuple[StepResult, M3PatchError | None]:
-    started = time.monotonic()
-    try:
-        message, artifacts = step()
-    except M3PatchError as exc:
-        first = str(exc).splitlines()[0]
-        return StepResult(name, "failed", exc.exit_code, time.monotonic() - started, first), exc
-    return StepResult(name, "ok", 0, time.monotonic() - started, message, artifacts), None
+def _serve_sweep(pipeline: RunPipeline) -> StepDone:
+    from m3patch.run.steps import StepDone, StepStatus
+
+    with teed_output(pipeline.planned.run_dir / SERVE_LOG):
+        served = pipeline.serve()
+        swept = pipeline.sweep()
+    if served.status is StepStatus.SKIPPED:
+        return StepDone(f"{served.message}; {swept.message}", (SERVE_LOG,))
+    return StepDone("server ready, markers passed, sweep done", ("server.log", "serve.json", SERVE_LOG))
 
 
-def _load_recipe(path: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.recipe.model_files import require_present
+def _print_step(result: StepResult) -> None:
+    from m3patch.output import info
 
-    recipe = load_recipe(path)
-    state["recipe"] = recipe
-    if state["run_dir"] is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        state["run_dir"] = Path(recipe.results_dir) / f"ci-{recipe.name}-{stamp}"
-    Path(state["run_dir"]).mkdir(parents=True, exist_ok=True)
-    require_present(recipe)  # before apply-verify: a missing model leaves the tree untouched
-    return f"{recipe.name} (series {recipe.series_dir}; model files on disk)", ()
+    info(f"ci: {result.name}: {result.status.value} ({result.seconds:.1f} s) {result.message}")
 
 
-def _apply_verify(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    from m3patch.patching.api import ensure_series
-    from m3patch.patching.locate import find_vllm
-    from m3patch.patching.series import load_series
-
-    recipe = state["recipe"]
-    tree = find_vllm(python=recipe.target.python or sys.executable)
-    ensured = ensure_series(tree, load_series(recipe.series_dir))
-    copy = Path(state["run_dir"]) / "ledger.json"
-    write_bytes_atomic(copy, ensured.ledger_bytes)
-    return ensured.report.summary().removeprefix("m3patch: "), (copy.name,)
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    msg = f"received signal {signal.Signals(signum).name}; the job and its server were stopped"
+    raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
-def bench_argv(recipe: Path, run_dir: Path, *, resume: bool) -> list[str]:
-    extra = ["--resume"] if resume else []
-    return [sys.executable, "-m", "m3patch", "bench", str(recipe), "--run-dir", str(run_dir), *extra]
+class _Tee(io.TextIOBase):
+    """Text to every target. Not a terminal, so progress prints plain lines, as in a CI log."""
+
+    def __init__(self, *targets: TextIO) -> None:
+        self.targets = targets
+
+    def write(self, text: str) -> int:
+        for target in self.targets:
+            target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for target in self.targets:
+            target.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
-def _serve_sweep(recipe: Path, state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    run_dir = Path(state["run_dir"])
-    code = _run_child(bench_argv(recipe, run_dir, resume=state["resume"]), run_dir / SERVE_LOG)
-    if code != 0:
-        raise _error_for(code, f"`m3patch bench` exited {code}; see {run_dir / SERVE_LOG}")
-    return "server ready, markers passed, sweep done", ("server.log", "serve.json", SERVE_LOG)
-
-
-def _run_child(argv: list[str], log_path: Path) -> int:
-    """Run the child, teeing its output to the log; on ^C let it shut vLLM down first."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert proc.stdout is not None
+@contextlib.contextmanager
+def teed_output(log_path: Path) -> Iterator[None]:
+    """The block's stdout and stderr go to stderr and into `log_path` (the job's stdout stays
+    clean for what a workflow parses); the error that ends the block is written to the log too
+    (the terminal gets it once, from the error handler)."""
+    with open(log_path, "w", encoding="utf-8", errors="replace") as log:
+        tee = cast(TextIO, _Tee(sys.stderr, log))
         try:
-            for chunk in iter(proc.stdout.readline, b""):
-                log.write(chunk)
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-            return proc.wait()
-        except KeyboardInterrupt:
-            # The child shares our process group and got the same SIGINT; give it its grace.
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
+                yield
+        except M3PatchError as exc:
+            log.write(f"m3patch: error: {exc}\n")
             raise
 
 
-def _error_for(code: int, message: str) -> M3PatchError:
-    """Re-raise a child's failure under its own class, so the job keeps the child's exit code."""
-    for cls in ALL_ERRORS:
-        if cls.exit_code == code:
-            return cls(message, hint=f"read the log, then rerun: {' '.join(sys.argv)}")
-    error = M3PatchError(message, hint="a bug in m3patch: report it with the log")
-    error.exit_code = code if code > 0 else INTERNAL_ERROR_EXIT  # signals show as negative codes
-    return error
-
-
-def check_results(run_dir: Path) -> tuple[str, tuple[str, ...]]:
-    from m3patch.bench.aggregate import cell_files, load_aggregate
-    from m3patch.bench.results import read_cell_file
-
-    cells = cell_files(run_dir)
-    if not cells:
-        msg = f"{run_dir}: no per-cell result files under cells/"
-        raise ResultsInvalid(msg, hint=f"m3patch ci RECIPE --resume --run-dir {run_dir}")
-    for path in cells:
-        read_cell_file(path)
-    aggregate = load_aggregate(run_dir)
-    plots = _ensure_plots(run_dir, aggregate)
-    names = tuple(p.relative_to(run_dir).as_posix() for p in (*cells, *plots))
-    return f"{len(cells)} cells, aggregate ok, {len(plots)} plots", (
-        "aggregate.json", "aggregate.csv", *names)
-
-
-def _ensure_plots(run_dir: Path, aggregate: dict[str, Any]) -> list[Path]:
-    found = [p for name in PLOT_NAMES for p in sorted(run_dir.rglob(name))[:1]]
-    if len(found) == len(PLOT_NAMES):
-        return found
-    from m3patch.bench.plots import PlotRun, draw, run_title
-
-    return draw([PlotRun("run", run_title(aggregate), tuple(aggregate["rows"]))], run_dir)
-
-
-def _write_summary(recipe: Path, run_dir: Path, results: list[StepResult]) -> None:
+def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int) -> None:
     data = {
         "schema": 1, "recipe": str(recipe), "run_dir": str(run_dir),
-        "exit_code": exit_code_of(results), "steps": [asdict(r) for r in results],
+        "exit_code": code, "steps": [r.to_json() for r in results],
     }
     write_json_atomic(Path(run_dir) / SUMMARY, data)

@@ -2,13 +2,14 @@
 
 Runs in the foreground until Ctrl-C (exit 130), `--hold` seconds pass, or, with
 `--stop-after-ready`, right after the server is ready and every required marker was seen.
+`--bench` runs the run pipeline instead (m3patch.run.pipeline, as `m3patch bench` does, with
+this command's run folder and live log): every cell, results, plots, then stop.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -43,33 +44,44 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(msg, hint="re-run the same `m3patch serve` command")
 
 
-def _echo(line: str) -> None:
-    print(f"  | {line}", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     from m3patch.commands.recipe import show_plan
-    from m3patch.output import info
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.serving.server_session import ServeSession
 
     if args.dry_run:
         show_plan(args.recipe, args.python, args.port)
         return 0
-    recipe = load_recipe(args.recipe)
-    run_dir = args.run_dir or recipe.results_dir / time.strftime("serve-%Y%m%d-%H%M%S")
     signal.signal(signal.SIGTERM, _on_sigterm)  # SIGINT already raises KeyboardInterrupt (130)
+    if args.bench:
+        return _serve_bench(args)
+    return _serve(args)
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    """The run pipeline with this command's server settings: every cell, plots, then stop."""
+    from m3patch.run.pipeline import RunCommand, RunPipeline, RunSpec
+    from m3patch.run.steps import finish, run_steps
+
+    spec = RunSpec(args.recipe, RunCommand.SERVE, run_dir=args.run_dir, python=args.python,
+                   port=args.port, echo=not args.quiet)
+    with RunPipeline(spec) as pipeline:
+        outcome = run_steps(pipeline.steps(), lambda _result: None)
+    return finish(outcome)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from m3patch.output import info
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.run.pipeline import RunCommand, default_run_dir, echo_server_line
+    from m3patch.serving.server_session import ServeSession
+
+    recipe = load_recipe(args.recipe)
+    run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
     session = ServeSession(recipe, run_dir, python=args.python, port=args.port,
-                           echo=None if args.quiet else _echo)
+                           echo=None if args.quiet else echo_server_line)
     with session:
-        info(f"ready in {session.ready_s:.1f} s at {session.base_url} (model {session.model}); "
-             f"markers ok; log {session.log_path}")
+        info(session.ready_line())
         if args.stop_after_ready:
             return 0
-        if args.bench:
-            from m3patch.bench.runner import bench_in_session
-
-            return bench_in_session(recipe, session, run_dir)
         end = None if args.hold is None else time.monotonic() + args.hold
         next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
         while end is None or time.monotonic() < end:

@@ -1,8 +1,9 @@
 """From a recipe to a launch: the series' markers, the argv and env (pure), and the patched tree.
 
 `plan_launch` is pure (it reads the series manifest, nothing else), so `recipe show` and
-`serve --dry-run` print exactly what `serve` would run. `prepare_tree` is the effect: apply and
-verify the recipe's series on the tree the launch interpreter imports, fail closed.
+`serve --dry-run` print exactly what `serve` would run. `ensure_tree` is the effect: apply and
+verify the recipe's series on the tree the launch interpreter imports (patching.api.ensure_series),
+fail closed; `prepare_tree` checks the model first, for a launch that applies on its own.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m3patch import markers as mk
 from m3patch.errors import UsageError
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
+
+if TYPE_CHECKING:
+    from m3patch.patching.api import EnsuredTree
 
 VLLM_MAIN = ("-m", "vllm.entrypoints.cli.main", "serve")
 PROVENANCE_PREFIX = "m3patch[provenance]: "
@@ -96,14 +101,20 @@ def check_model(recipe: Recipe) -> None:
     require_present(recipe)
 
 
-def prepare_tree(recipe: Recipe, python: str) -> str:
-    """Apply and verify the series on the tree `python` imports; the ledger's sha256 hex."""
-    from m3patch.output import info
+def ensure_tree(recipe: Recipe, python: str) -> EnsuredTree:
+    """The tree `python` imports, made exactly the recipe's series and verified."""
     from m3patch.patching.api import ensure_series
     from m3patch.patching.locate import find_vllm
     from m3patch.patching.series import load_series
 
+    return ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
+
+
+def prepare_tree(recipe: Recipe, python: str) -> str:
+    """Check the model, apply and verify the series; the ledger's sha256 hex."""
+    from m3patch.output import info
+
     check_model(recipe)
-    ensured = ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
+    ensured = ensure_tree(recipe, python)
     info(ensured.report.summary().removeprefix("m3patch: "))
     return ensured.ledger_sha256

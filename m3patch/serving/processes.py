@@ -1,10 +1,25 @@
-"""Process-table queries from /proc (Linux; no psutil): who is still alive after a stop."""
+"""Process groups: who is still alive (from /proc; Linux, no psutil) and the one stop ladder.
+
+`stop_group` is the only place that stops a child's process group: each rung sends one signal
+to the whole group and waits its grace period for the leader and every member to go, so the
+server (SIGINT 20 s, SIGTERM 10 s, SIGKILL 5 s) and the bench client (SIGTERM 5 s, SIGKILL)
+escalate the same way, each with its own rungs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+WAIT_POLL_S = 0.1
 
 
 class ProcEntry(NamedTuple):
@@ -12,6 +27,11 @@ class ProcEntry(NamedTuple):
     state: str
     ppid: int
     pgid: int
+
+
+class StopRung(NamedTuple):
+    sig: signal.Signals
+    grace_s: float  # how long the group gets to go after this signal; math.inf: until it does
 
 
 def live_processes() -> Iterator[ProcEntry]:
@@ -37,3 +57,44 @@ def group_members(pgid: int) -> list[int]:
 def children_of(pid: int) -> list[int]:
     """Live pids whose parent is `pid`."""
     return [p.pid for p in live_processes() if p.ppid == pid]
+
+
+def stop_group(proc: subprocess.Popen[bytes], rungs: Sequence[StopRung]) -> int | None:
+    """Climb the rungs until the leader (started with start_new_session) and its group are gone.
+
+    Returns the leader's exit status (negative: the signal that ended it), None if it outlived
+    every rung.
+    """
+    with signals_held():
+        for rung in rungs:
+            if not _group_alive(proc):
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, rung.sig)
+            _wait_gone(proc, rung.grace_s)
+    return proc.poll()
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    # The leader's pid is the group id; workers may outlive a leader that exited first.
+    return proc.poll() is None or bool(group_members(proc.pid))
+
+
+def _wait_gone(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    end = time.monotonic() + grace_s if math.isfinite(grace_s) else math.inf
+    while time.monotonic() < end and _group_alive(proc):
+        time.sleep(WAIT_POLL_S)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A second Ctrl-C (or CI's SIGTERM) must not abort a stop half-way and orphan the group."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

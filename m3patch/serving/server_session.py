@@ -12,6 +12,7 @@
     # leaving the block stops the whole process group (also on an exception)
 
 Entering applies and verifies the recipe's series first; vLLM never starts on a tree that failed.
+A caller that already did (the run pipeline's apply-verify step) passes `ledger_sha256=` instead.
 Errors are M3PatchError subclasses (exit codes in errors.py): ServerExited 10, ReadyTimeout 11,
 MarkerMissing 12, MarkerForbidden 13, RunDeadline 15, ServerDied 18. `server.log` and
 `serve.json` (argv, env overrides, marker counts, timings) are written to `run_dir`.
@@ -32,7 +33,7 @@ from m3patch.fsio import write_json_atomic
 from m3patch.markers import MarkerChecker
 from m3patch.output import warn
 from m3patch.recipe.loader import Recipe
-from m3patch.serving.launch_plan import LaunchPlan, plan_launch, prepare_tree
+from m3patch.serving.launch_plan import LaunchPlan, check_model, plan_launch, prepare_tree
 from m3patch.serving.supervisor import Supervisor
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -41,8 +42,10 @@ READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the 
 
 class ServeSession:
     def __init__(self, recipe: Recipe, run_dir: Path, *, python: str | None = None,
-                 port: int | None = None, echo: Callable[[str], None] | None = None) -> None:
+                 port: int | None = None, echo: Callable[[str], None] | None = None,
+                 ledger_sha256: str | None = None) -> None:
         self.recipe = recipe
+        self.verified_ledger = ledger_sha256  # the tree was already ensured, with this ledger
         self.run_dir = Path(run_dir)
         self.python = python or recipe.target.python or sys.executable
         self.port = port or recipe.port
@@ -70,9 +73,13 @@ class ServeSession:
     def log_path(self) -> Path:
         return self.run_dir / "server.log"
 
+    def ready_line(self) -> str:
+        return (f"ready in {self.ready_s:.1f} s at {self.base_url} (model {self.model}); "
+                f"markers ok; log {self.log_path}")
+
     def __enter__(self) -> ServeSession:
         self._started = time.monotonic()
-        ledger = prepare_tree(self.recipe, self.python)
+        ledger = self._ledger()
         self.plan = plan_launch(self.recipe, self.python, self.port, self.log_path, ledger)
         for marker_id, reason in self.recipe.marker_waivers:
             warn(f"recipe {self.recipe.path} waives series marker {marker_id!r}: {reason}")
@@ -88,6 +95,12 @@ class ServeSession:
             self.stop()
             raise
         return self
+
+    def _ledger(self) -> str:
+        if self.verified_ledger is None:
+            return prepare_tree(self.recipe, self.python)
+        check_model(self.recipe)
+        return self.verified_ledger
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -1,7 +1,8 @@
 """Run `vllm serve` as a supervised child: own process group, full log, marker gate, clean stop.
 
 - The server starts in a new session, so its whole tree (API server, EngineCore, workers) shares
-  one process group that `stop()` signals together: SIGINT, then SIGTERM, then SIGKILL.
+  one process group that `stop()` signals together: SIGINT, then SIGTERM, then SIGKILL
+  (serving.processes.stop_group, with this module's grace periods).
 - A reader thread copies every byte of output to the run's log file, feeds the marker checker,
   echoes lines for the live view, and on a forbidden marker interrupts the server at once.
 - Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
@@ -22,18 +23,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
-from m3patch.serving.processes import group_members
+from m3patch.serving.processes import StopRung, stop_group
 
 POLL_S = 0.5
 TAIL_LINES = 15
 STOP_GRACE_S = (20.0, 10.0, 5.0)  # after SIGINT, after SIGTERM, after SIGKILL
+STOP_LADDER = tuple(StopRung(sig, grace) for sig, grace in zip(
+    (signal.SIGINT, signal.SIGTERM, signal.SIGKILL), STOP_GRACE_S, strict=True))
 
 
 @dataclass(frozen=True)
@@ -182,25 +185,9 @@ class Supervisor:
         if self.proc is None:
             return None
         self._stopping = True
-        with _signals_held():
-            return self._escalate()
-
-    def _escalate(self) -> int | None:
-        assert self.proc is not None
-        for sig, grace in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), STOP_GRACE_S, strict=True):
-            if self.proc.poll() is None or group_members(self.pgid):
-                self._signal(sig)
-                self._wait_group(grace)
+        status = stop_group(self.proc, STOP_LADDER)
         self._join_reader()
-        return self.proc.poll()
-
-    def _wait_group(self, grace: float) -> None:
-        end = time.monotonic() + grace
-        while time.monotonic() < end:
-            assert self.proc is not None
-            if self.proc.poll() is not None and not group_members(self.pgid):
-                return
-            time.sleep(0.1)
+        return status
 
     def _join_reader(self) -> None:
         if self._reader is not None:
@@ -217,20 +204,6 @@ def _require_free_port(base_url: str) -> None:
             return
     msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
     raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """A second Ctrl-C must not abort the stop half-way and orphan the server tree."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _http(url: str, body: dict[str, object] | None, timeout: float) -> dict[str, object] | None:

@@ -1,0 +1,1 @@
+"""The run pipeline (recipe -> apply-verify -> serve -> sweep -> results) and its step results."""

@@ -1,0 +1,253 @@
+"""The one run pipeline that `serve --bench`, `bench` and `ci` compose.
+
+    RunSpec (frozen: recipe, run folder, python, cells, resume, url, plots, ...)
+      -> recipe        load and validate the recipe, pick the cells and the run folder
+      -> apply-verify  patching.api.ensure_series on the tree `python` imports; RUN/ledger.json
+      -> serve         ServeSession: start vLLM, ready, marker gate (or an external --url server)
+      -> sweep         every cell against it (bench.sweep); the server stops when this ends
+      -> results       every cell file and aggregate.json read back; the plots (bench.runner)
+      => StepResults (run.steps), reduced once to the exit code
+
+The recipe step decides where the server comes from (ServerSource): a resumed run whose cells
+are all finished skips apply-verify and serve (nothing to measure: no server start to pay, no
+tree touched); `--url` skips apply-verify (not a tree m3patch patches). Each step method returns
+a StepDone or raises; what a step leaves for the next is typed (RunPlan, ServerHandle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from types import TracebackType
+
+from m3patch.bench import spec as bench_spec
+from m3patch.bench.cells import Cell
+from m3patch.bench.client import BenchTarget
+from m3patch.bench.runner import (
+    all_finished,
+    check_results,
+    health_probe,
+    plot_run,
+    reaggregate,
+    resolve_run_dir,
+    select_cells,
+    sweep_session,
+)
+from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
+from m3patch.errors import UsageError
+from m3patch.fsio import write_bytes_atomic
+from m3patch.output import info
+from m3patch.recipe.loader import Recipe, load_recipe
+from m3patch.recipe.model_files import require_present
+from m3patch.run.steps import Step, StepDone, StepStatus
+from m3patch.serving.launch_plan import ensure_tree
+from m3patch.serving.server_session import ServeSession
+
+LEDGER_COPY = "ledger.json"
+
+
+class RunCommand(str, Enum):
+    """Who composes the run: it names the default run folder and the interpreter fallback."""
+
+    BENCH = "bench"
+    SERVE = "serve"
+    CI = "ci"
+
+
+class ServerSource(str, Enum):
+    """Where the sweep's server comes from; decided once, by the recipe step."""
+
+    LAUNCHED = "launched"  # m3patch applies, verifies, starts and gates it
+    EXTERNAL = "external"  # --url: started elsewhere, only watched through /health
+    NONE = "none"  # resumed and every cell already has a valid result: nothing to measure
+
+
+SKIP_REASONS = {
+    ServerSource.EXTERNAL: "--url: a server m3patch neither patches nor starts",
+    ServerSource.NONE: "every cell already has a valid result: no server needed",
+}
+
+
+class PlotMode(str, Enum):
+    REQUIRED = "required"  # ci: the plots are artifacts; no matplotlib fails the results step
+    OPTIONAL = "optional"  # bench, serve --bench: no matplotlib only warns
+    OFF = "off"  # --no-plots
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    recipe_path: Path
+    command: RunCommand
+    run_dir: Path | None = None  # None: the command's default folder under the recipe's results
+    python: str | None = None  # None: the recipe's target.python
+    port: int | None = None
+    only: tuple[str, ...] = ()  # cell ids; empty: every cell
+    resume: bool = False
+    seed: int = DEFAULT_SEED
+    url: str | None = None  # sweep a server m3patch neither starts nor gates
+    plots: PlotMode = PlotMode.OPTIONAL
+    echo: bool = False  # echo the server log live
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the recipe step decided, read by every later step."""
+
+    recipe: Recipe
+    run_dir: Path
+    python: str
+    cells: tuple[Cell, ...]
+    settings: SweepSettings
+    source: ServerSource
+
+
+@dataclass(frozen=True)
+class ServerHandle:
+    """The server the sweep talks to and how it is watched between cells."""
+
+    target: BenchTarget
+    check: Callable[[], None]
+    label: str  # provenance's `server`
+
+
+def echo_server_line(line: str) -> None:
+    print(f"  | {line}", file=sys.stderr, flush=True)
+
+
+def default_run_dir(recipe: Recipe, command: RunCommand, *, resume: bool) -> Path:
+    """Under the recipe's results: serve-TIME, ci-NAME-TIME, or bench's UTC time (--resume:
+    the newest earlier run)."""
+    if command is RunCommand.SERVE:
+        return recipe.results_dir / time.strftime("serve-%Y%m%d-%H%M%S")
+    if command is RunCommand.CI:
+        return recipe.results_dir / f"ci-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return resolve_run_dir(recipe, None, resume)
+
+
+def resolve_python(recipe: Recipe, spec: RunSpec) -> str:
+    python = spec.python or recipe.target.python
+    if python is None and spec.command in (RunCommand.SERVE, RunCommand.CI):
+        # Inside a pinned image m3patch is installed into the Python that runs vLLM; ci has
+        # always applied to the tree that interpreter imports, serve has always served from it.
+        return sys.executable
+    if python is None:
+        msg = f"{recipe.path}: no interpreter for the bench client (target.python unset)"
+        raise UsageError(msg, hint="pass --python PATH (the venv whose vLLM serves)")
+    return python
+
+
+def plan_run(spec: RunSpec) -> RunPlan:
+    """The recipe step's decisions; refuses to overwrite results before anything is touched."""
+    recipe = load_recipe(spec.recipe_path)
+    cells = select_cells(recipe, spec.only)
+    run_dir = spec.run_dir or default_run_dir(recipe, spec.command, resume=spec.resume)
+    python = resolve_python(recipe, spec)
+    rerun = f"m3patch bench {spec.recipe_path} --resume --run-dir {run_dir}"
+    settings = SweepSettings(run_dir, spec.resume, spec.seed, rerun)
+    refuse_overwrite(settings)
+    return RunPlan(recipe, run_dir, python, cells, settings, server_source(spec, run_dir, cells))
+
+
+def server_source(spec: RunSpec, run_dir: Path, cells: tuple[Cell, ...]) -> ServerSource:
+    if spec.resume and all_finished(run_dir, cells):
+        return ServerSource.NONE
+    return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
+
+
+class RunPipeline:
+    """One run's steps; use as a context manager so a started server is always stopped."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.plan: RunPlan | None = None
+        self.ledger_sha256: str | None = None
+        self.server: ServerHandle | None = None
+        self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
+
+    def __enter__(self) -> RunPipeline:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._held.close()
+
+    @property
+    def planned(self) -> RunPlan:
+        assert self.plan is not None, "the recipe step runs first"
+        return self.plan
+
+    def steps(self) -> list[Step]:
+        return [("recipe", self.load), ("apply-verify", self.apply_verify), ("serve", self.serve),
+                ("sweep", self.sweep), ("results", self.results)]
+
+    def load(self) -> StepDone:
+        self.plan = plan_run(self.spec)
+        self.plan.run_dir.mkdir(parents=True, exist_ok=True)
+        where = f"{self.plan.recipe.name} (series {self.plan.recipe.series_dir}"
+        if self.plan.source is ServerSource.LAUNCHED:
+            # Before apply-verify: a node without the weights fails here with the tree untouched.
+            require_present(self.plan.recipe)
+            where += "; model files on disk"
+        return StepDone(where + ")")
+
+    def apply_verify(self) -> StepDone:
+        plan = self.planned
+        if plan.source is not ServerSource.LAUNCHED:
+            return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+        ensured = ensure_tree(plan.recipe, plan.python)
+        write_bytes_atomic(plan.run_dir / LEDGER_COPY, ensured.ledger_bytes)
+        self.ledger_sha256 = ensured.ledger_sha256
+        summary = ensured.report.summary().removeprefix("m3patch: ")
+        info(summary)
+        return StepDone(summary, (LEDGER_COPY,))
+
+    def serve(self) -> StepDone:
+        plan = self.planned
+        if plan.source is ServerSource.NONE:
+            return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+        if plan.source is ServerSource.EXTERNAL:
+            assert self.spec.url is not None
+            self.server = self._external(self.spec.url.rstrip("/"))
+            return StepDone(f"{self.server.target.base_url}/health answers")
+        session = self._held.enter_context(ServeSession(
+            plan.recipe, plan.run_dir, python=plan.python, port=self.spec.port,
+            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
+        target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
+        self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
+        info(session.ready_line())
+        return StepDone(session.ready_line(), ("server.log", "serve.json"))
+
+    def _external(self, base_url: str) -> ServerHandle:
+        plan = self.planned
+        model = plan.recipe.model
+        check = health_probe(base_url, f"{plan.settings.rerun_hint} --url {base_url}")
+        check()
+        target = BenchTarget(Path(plan.python), base_url, model.served_name, model.tokenizer)
+        return ServerHandle(target, check, f"external {base_url} (not started or gated by m3patch)")
+
+    def sweep(self) -> StepDone:
+        """Sweep the cells; the server is stopped when the sweep ends, passed or not."""
+        plan = self.planned
+        with self._held:
+            if plan.source is ServerSource.NONE:
+                reaggregate(plan.recipe, plan.run_dir, plan.cells)
+                return StepDone(f"{len(plan.cells)} cell(s) kept; aggregated without a server")
+            assert self.server is not None, "the serve step runs first"
+            outcome = sweep_session(plan.recipe, plan.python, self.server.target, plan.settings,
+                                    plan.cells, self.server.check, server=self.server.label)
+        return StepDone(f"{len(outcome.measured)} cell(s) measured, {len(outcome.skipped)} kept",
+                        ("cells", "aggregate.json", "aggregate.csv"))
+
+    def results(self) -> StepDone:
+        run_dir = self.planned.run_dir
+        cells, aggregate = check_results(run_dir)
+        plots = ([] if self.spec.plots is PlotMode.OFF
+                 else plot_run(run_dir, aggregate, required=self.spec.plots is PlotMode.REQUIRED))
+        names = tuple(p.relative_to(run_dir).as_posix() for p in (*cells, *plots))
+        return StepDone(f"{len(cells)} cells, aggregate ok, {len(plots)} plots",
+                        ("aggregate.json", "aggregate.csv", *names))

@@ -1,0 +1,72 @@
+"""The one process-group stop ladder (serving.processes.stop_group), on real child processes.
+
+The escalation needs a group that ignores SIGINT and SIGTERM, which a real vLLM server never
+does on demand (it shuts down on SIGINT), so a python child with those signals caught and
+ignored stands in; it forks a grandchild into its group to show the whole group is stopped.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from m3patch.serving.processes import StopRung, group_members, stop_group
+
+STUBBORN = """
+import os, signal, sys, time
+def note(signum, frame):
+    print(signal.Signals(signum).name, os.getpid(), flush=True)
+signal.signal(signal.SIGINT, note)
+signal.signal(signal.SIGTERM, note)
+if os.fork() == 0:
+    time.sleep(600)  # the grandchild inherits the handlers and the group
+    sys.exit(0)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _start(script: str, log: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60  # generous: the machine may be busy with a real server
+    while time.monotonic() < deadline and not (
+            "ready" in log.read_text() and len(group_members(proc.pid)) == 2):
+        time.sleep(0.05)
+    assert len(group_members(proc.pid)) == 2, log.read_text()
+    return proc
+
+
+def test_a_group_ignoring_sigint_and_sigterm_is_escalated_to_sigkill(tmp_path: Path) -> None:
+    log = tmp_path / "stubborn.log"
+    proc = _start(STUBBORN, log)
+    # Graces long enough for both processes to run their handlers on a loaded machine.
+    ladder = (StopRung(signal.SIGINT, 2.0), StopRung(signal.SIGTERM, 2.0),
+              StopRung(signal.SIGKILL, 10.0))
+    started = time.monotonic()
+    status = stop_group(proc, ladder)
+    took = time.monotonic() - started
+    assert status == -signal.SIGKILL
+    assert group_members(proc.pid) == []  # the grandchild too, not just the leader
+    assert 4.0 <= took < 14.0, took  # both graces were waited out, then SIGKILL ended it
+    noted = log.read_text().split()
+    assert noted.count("SIGINT") == 2 and noted.count("SIGTERM") == 2  # both processes, each rung
+
+
+def test_a_group_that_goes_on_the_first_signal_gets_no_other(tmp_path: Path) -> None:
+    log = tmp_path / "polite.log"
+    proc = _start("import os, time\nif os.fork() == 0:\n    time.sleep(600)\n"
+                  "print('ready', flush=True)\ntime.sleep(600)\n", log)
+    started = time.monotonic()
+    status = stop_group(proc, (StopRung(signal.SIGTERM, 5.0), StopRung(signal.SIGKILL, 5.0)))
+    assert status == -signal.SIGTERM and group_members(proc.pid) == []
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_leader_already_gone_is_not_signalled(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
+    proc.wait()
+    assert stop_group(proc, (StopRung(signal.SIGKILL, 1.0),)) == 3
