@@ -1,5 +1,5 @@
 """Benchmark the core: median wall time of `m3patch apply --verify` on an already patched tree
-and of `m3patch --version`. Targets (issue 2): <= 0.5 s and <= 150 ms on the 2-core CI machine.
+and of `m3patch --version`. Targets: <= 0.5 s and <= 150 ms on the 2-core CI machine.
 
 Usage: python scripts/bench_core.py [--runs N] [--out docs/results/bench_core.json]
 

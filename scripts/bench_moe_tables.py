@@ -1,4 +1,4 @@
-"""Measure what the tuned tables buy on this GPU (issue 7); prints a table, writes JSON.
+"""Measure what the tuned tables buy on this GPU; prints a table, writes JSON.
 
 Per shape and batch size: tuned config vs vLLM 0.33.0's default config, judged by the same
 measurement as the tuner's final choice and `m3patch tune --check` (m3patch/tune/judge.py:

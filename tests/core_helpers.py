@@ -1,4 +1,4 @@
-"""Helpers for the core tests (issue 2), importable as `from core_helpers import ...`."""
+"""Helpers for the core tests, importable as `from core_helpers import ...`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Patch 0006 (issue 8): the kernel-side unpack and the markers, on CPU.
+"""Patch 0006: the kernel-side unpack and the markers, on CPU.
 
 The unpack helper is the real @triton.jit function from the patched tree, run under Triton's
 interpreter (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are

@@ -1,4 +1,4 @@
-"""Patch 0006 (issue 8): the E8M0 packing layout, FNUZ adjustment and gate, from the patched tree.
+"""Patch 0006: the E8M0 packing layout, FNUZ adjustment and gate, from the patched tree.
 
 The module under test is the file the real series adds to a private copy of vLLM 0.33.0; it imports
 only torch and triton, so it is imported here straight from that tree without vLLM's runtime.

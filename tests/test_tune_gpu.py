@@ -82,7 +82,7 @@ def test_oversized_config_is_reported_not_crashing() -> None:
 
 
 def test_timing_a_resumed_config_checks_it_outside_graph_capture() -> None:
-    """Regression (issue 7 re-tune): refining a config whose quick result came from the cache
+    """Regression (the H200 re-tune): refining a config whose quick result came from the cache
     aligned its BLOCK_SIZE_M inside CUDA-graph capture and crashed."""
     from m3patch.tune.kernel_source import load_kernel
     from m3patch.tune.kernel_timer import MoEBench

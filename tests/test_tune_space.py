@@ -65,7 +65,7 @@ def test_reduced_bf16_space_still_holds_the_default() -> None:
 
 
 def test_the_first_h200_runs_missing_defaults_are_now_timed() -> None:
-    """issue 7, first run: EP8 M=64 and M=128 picked configs slower than the default, which
+    """The first H200 tuning run: EP8 M=64 and M=128 picked configs slower than the default, which
     the old rules (G>1 with one tile per expert; BLOCK_M above tokens/expert) had dropped."""
     for batch, expected in ((64, TileConfig(16, 128, 128, 32, 4, 3)),
                             (128, TileConfig(64, 128, 128, 32, 4, 3))):
