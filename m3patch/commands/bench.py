@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from m3patch.errors import Interrupted, UsageError
+from m3patch.recipe.names import recipe_path
 
 COMPARE = "compare"
 METRICS = ("tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu", "median_intvty")
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    return bench_recipe(Path(args.what[0]), args)
+    return bench_recipe(recipe_path(args.what[0]), args)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
