@@ -62,7 +62,7 @@ def main() -> int:
     if not run_dir.is_absolute():
         run_dir = Path(__file__).resolve().parents[1] / run_dir
     problems = [f"run folder {run_dir}: {name} missing" for name in ARTIFACTS
-                if not (run_dir / name).is_file()]
+                if not any(p.is_file() for p in run_dir.rglob(name))]  # plots live in plots/
     cells = sorted((run_dir / "cells").glob("*.json"))
     if not cells:
         problems.append(f"run folder {run_dir}: no cells/*.json")

@@ -25,7 +25,6 @@ from m3patch.bench.aggregate import (
     rows_of_run,
     write_aggregate,
 )
-from m3patch.bench.compare import compare_rows, summary, table_rows, to_json
 
 RUNS = Path(__file__).parent / "data" / "bench" / "runs"
 
