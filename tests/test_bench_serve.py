@@ -71,7 +71,7 @@ def test_each_run_has_cells_aggregate_csv_plots_and_log(runs: Path) -> None:
     for name in ("a", "b"):
         run = runs / name
         cells = sorted(p.name for p in (run / "cells").glob("*.json"))
-        assert cells == [f"isl32-osl16-tp1-pp1-ep1-dp1-c{c}.json" for c in (1, 2, 4)]
+        assert cells == [f"isl32-osl128-tp1-pp1-ep1-dp1-c{c}.json" for c in (1, 2, 4)]
         rows = json.loads((run / "aggregate.json").read_text())["rows"]
         assert [r["concurrency"] for r in rows] == [1, 2, 4]
         assert all(r["failed"] == 0 and r["tput_per_gpu"] > 0 for r in rows)
@@ -83,7 +83,7 @@ def test_each_run_has_cells_aggregate_csv_plots_and_log(runs: Path) -> None:
 
 
 def test_provenance_names_recipe_series_patches_and_ledger(runs: Path, cpu_venv: Path) -> None:
-    cell = json.loads((runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c1.json").read_text())
+    cell = json.loads((runs / "a" / "cells" / "isl32-osl128-tp1-pp1-ep1-dp1-c1.json").read_text())
     prov = cell["m3patch"]["provenance"]
     recipe_bytes = (runs / "cpu_tiny_moe.yaml").read_bytes()
     assert prov["recipe_sha256"] == hashlib.sha256(recipe_bytes).hexdigest()
@@ -109,7 +109,7 @@ def test_compare_of_the_two_runs_prints_the_table(runs: Path) -> None:
 
 
 def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) -> None:
-    before = (runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c4.json").read_bytes()
+    before = (runs / "a" / "cells" / "isl32-osl128-tp1-pp1-ep1-dp1-c4.json").read_bytes()
     log_size = (runs / "a" / "server.log").stat().st_size
     started = time.monotonic()
     out = _m3patch("bench", str(runs / "cpu_tiny_moe.yaml"), "--resume", "--run-dir",
@@ -117,7 +117,7 @@ def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) 
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - started < 30  # a server start alone takes 30 s or more
     assert (runs / "a" / "server.log").stat().st_size == log_size
-    assert (runs / "a" / "cells" / "isl32-osl16-tp1-pp1-ep1-dp1-c4.json").read_bytes() == before
+    assert (runs / "a" / "cells" / "isl32-osl128-tp1-pp1-ep1-dp1-c4.json").read_bytes() == before
 
 
 def test_a_cell_with_failed_requests_fails_the_sweep_with_14(

@@ -132,7 +132,7 @@ def test_sampled_lengths_must_fit_max_model_len(tmp_path: Path, ratio: float, ok
     # r = 0.9 overflows: ceil(32*1.9) + ceil(16*1.9) = 61 + 31 = 92 > 90.
     data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
     vllm_args = {**data["vllm-args"], "max-model-len": 90}
-    sweep = {**data["sweep"], "range-ratio": ratio}
+    sweep = {**data["sweep"], "range-ratio": ratio, "rows": [{"isl": 32, "osl": 16, "concurrency": [1]}]}
     path = variant(tmp_path, {"vllm-args": vllm_args, "sweep": sweep})
     if ok:
         assert load_recipe(path).sweep.range_ratio == ratio

@@ -4,6 +4,13 @@ Field names follow InferenceX's utils/process_result.py so its readers work unch
 tput_per_gpu = total_token_throughput / gpu_count, output_tput_per_gpu, input_tput_per_gpu
 (total - output), latencies in seconds without the `_ms` suffix (median_ttft, p99_tpot, ...),
 and interactivity `<stat>_intvty` = 1000 / <stat>_tpot_ms (tokens/s seen by one user).
+
+Decode figures are only kept when the client could time the decode. When the tokens reached it
+in one burst (median TPOT under BURST_FLOOR_MS) TPOT, ITL and interactivity are null, with
+`decode_na: "burst"` and a sentence in `decode_na_reason`, and the results table prints
+"n/a (burst)". When only the gaps between chunks are under the floor (tokens arrived in clumps,
+yet the mean decode rate over the request is real) only the ITL figures are null
+(`decode_na: "itl clumped"`).
 """
 
 from __future__ import annotations
@@ -34,10 +41,20 @@ KEY_FIELDS = ("cell_id", "isl", "osl", "range_ratio", "concurrency", "tp", "pp",
 PROVENANCE_FIELDS = ("recipe_name", "recipe_sha256", "series", "image", "vllm_version")
 LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in STATS)
 INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in STATS)
+ITL_FIELDS = tuple(f"{stat}_itl" for stat in STATS)
+DECODE_FIELDS = (*(f"{stat}_tpot" for stat in STATS), *ITL_FIELDS, *INTVTY_FIELDS)
+NA_FIELDS = ("decode_na", "decode_na_reason")
+# The floor under which a per-token time is not a decode rate. One decode step through vLLM's
+# API server costs at least about a millisecond on any hardware m3patch targets (scheduler,
+# forward pass, sampler, detokenizer, one SSE write), and speculative decoding that lands 4-5
+# tokens per step still leaves 0.2 ms or more per token. A median TPOT or ITL under 0.1 ms
+# (10,000 tok/s for one user) therefore means the tokens were queued and reached the client in
+# one read: the figure measures that buffering, not the model, so it is reported as n/a.
+BURST_FLOOR_MS = 0.1
 COLUMNS = (
     *KEY_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
     "output_throughput", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",
-    *LATENCY_FIELDS, *INTVTY_FIELDS,
+    *LATENCY_FIELDS, *INTVTY_FIELDS, *NA_FIELDS,
 )  # fmt: skip
 
 
@@ -60,7 +77,58 @@ def cell_row(data: dict[str, Any]) -> dict[str, Any]:
         tpot_ms = data[f"{stat}_tpot_ms"]
         # osl=1 has no decode step: TPOT is 0 and interactivity is undefined, not infinite.
         row[f"{stat}_intvty"] = 1000.0 / tpot_ms if tpot_ms > 0 else None
+    tag, reason = decode_na(data, cell.get("osl"))
+    row.update(decode_na=tag, decode_na_reason=reason)
+    if tag is not None:
+        row.update(dict.fromkeys(DECODE_FIELDS if tag == "burst" else ITL_FIELDS))
     return row
+
+
+def decode_na(data: dict[str, Any], osl: object) -> tuple[str | None, str | None]:
+    """Which decode figures of a checked result are not measurements, and why (pure):
+    (None, None), ("burst", reason) or ("itl clumped", reason).
+
+    One output token has no decode step to time (TPOT 0 is then exact, not a burst)."""
+    if isinstance(osl, int) and osl <= 1:
+        return None, None
+    tpot, itl = data["median_tpot_ms"], data["median_itl_ms"]
+    if tpot < BURST_FLOOR_MS:
+        return "burst", (
+            f"median TPOT {tpot:.4f} ms is under the {BURST_FLOOR_MS} ms floor of a real decode "
+            f"step: the tokens reached the client in one burst, so TPOT, ITL and interactivity "
+            f"are not reported")
+    if itl < BURST_FLOOR_MS:
+        return "itl clumped", (
+            f"median ITL {itl:.4f} ms is under the {BURST_FLOOR_MS} ms floor: the tokens reached "
+            f"the client in clumps, so ITL is not reported (TPOT {tpot:.2f} ms, the mean decode "
+            f"rate over each request, is)")
+    return None, None
+
+
+def _ms(seconds: object) -> str:
+    return f"{seconds * 1000:.1f}" if isinstance(seconds, (int, float)) else "-"
+
+
+def _decode(row: dict[str, Any], text: str | None) -> str:
+    if text is None and row.get("decode_na"):
+        return f"n/a ({row['decode_na']})"
+    return text if text is not None else "-"
+
+
+RESULT_COLUMNS = ["parallelism", "isl/osl", "conc", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 ms",
+                  "TPOT p50 ms", "tok/s/user", "ok/failed"]
+
+
+def result_cells(row: dict[str, Any]) -> list[Any]:
+    """One line of the results table users read first (pure): n/a with the reason, never a
+    number the client could not measure."""
+    intvty = row.get("median_intvty")
+    return [row["parallelism"], f"{row['isl']}/{row['osl']}", row["concurrency"],
+            f"{row['tput_per_gpu']:.1f}", f"{row['output_tput_per_gpu']:.1f}",
+            _ms(row.get("median_ttft")),
+            _decode(row, _ms(row["median_tpot"]) if row.get("median_tpot") is not None else None),
+            _decode(row, f"{intvty:.1f}" if intvty else None),
+            f"{row['completed']}/{row['failed']}"]
 
 
 def cell_files(run_dir: Path) -> list[Path]:

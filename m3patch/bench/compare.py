@@ -3,7 +3,9 @@
 Only cells of the same shape are compared: the same ISL/OSL and length range ratio, TP, PP, EP,
 DP, dp-attention, GPU count and concurrency. A cell present on one side only, or at a concurrency both sides ran but
 with a different shape, is listed and never given a change figure: a TP4 number against a TP8
-number is a deployment change, not a speedup (the seed's own caveat).
+number is a deployment change, not a speedup (the seed's own caveat). A cell whose metric is
+n/a on either side (decode figures of a burst: m3patch.bench.aggregate) is listed with the
+reason and never given a change figure either.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ class Compared:
     seq: str
     parallelism: str
     concurrency: int
-    base: float
-    new: float
+    base: float | None  # None: not measured on that side, see base_na / new_na
+    new: float | None
+    base_na: str = ""
+    new_na: str = ""
 
     @property
     def change_pct(self) -> float | None:
-        return None if self.base == 0 else (self.new / self.base - 1.0) * 100.0
+        if self.base is None or self.new is None or self.base == 0:
+            return None
+        return (self.new / self.base - 1.0) * 100.0
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,18 @@ def compare_rows(
         if other is None:
             base_left.append(row)
             continue
+        (base, base_na), (new, new_na) = _value(row, metric), _value(other, metric)
         compared.append(Compared(seq_label(row), row["parallelism"], row["concurrency"],
-                                 float(row[metric]), float(other[metric])))
+                                 base, new, base_na, new_na))
     return Comparison(metric, tuple(compared), tuple(_unmatched(base_left, list(new_by_key.values()))))
+
+
+def _value(row: dict[str, Any], metric: str) -> tuple[float | None, str]:
+    """The metric, or None and why (the aggregate's decode_na, e.g. 'burst')."""
+    value = row.get(metric)
+    if value is None:
+        return None, str(row.get("decode_na") or "not measured")
+    return float(value), ""
 
 
 def _unmatched(base_left: list[dict[str, Any]], new_left: list[dict[str, Any]]) -> list[Unmatched]:
@@ -99,6 +114,9 @@ def summary(result: Comparison) -> str:
     label = METRIC_LABELS.get(result.metric, result.metric)
     changes = [c.change_pct for c in result.compared if c.change_pct is not None]
     if not changes:
+        if result.compared:
+            return (f"{len(result.compared)} cell(s) of the same shape, none with {label} "
+                    f"measured on both sides; nothing compared")
         return f"no cell of the same shape on both sides; nothing compared ({label})"
     faster = sum(1 for value in changes if value > 0)
     slower = sum(1 for value in changes if value < 0)
@@ -110,10 +128,14 @@ def summary(result: Comparison) -> str:
             f"{skipped}")
 
 
+def _shown(value: float | None, na: str) -> str:
+    return f"n/a ({na})" if value is None else f"{value:.2f}"
+
+
 def table_rows(result: Comparison) -> list[list[str]]:
     return [
-        [c.seq, c.parallelism, str(c.concurrency), f"{c.base:.2f}", f"{c.new:.2f}",
-         "n/a" if c.change_pct is None else f"{c.change_pct:+.1f}%"]
+        [c.seq, c.parallelism, str(c.concurrency), _shown(c.base, c.base_na),
+         _shown(c.new, c.new_na), "n/a" if c.change_pct is None else f"{c.change_pct:+.1f}%"]
         for c in result.compared
     ]
 
@@ -123,7 +145,9 @@ def to_json(result: Comparison) -> dict[str, Any]:
         "metric": result.metric,
         "compared": [
             {"seq": c.seq, "parallelism": c.parallelism, "concurrency": c.concurrency,
-             "base": c.base, "new": c.new, "change_pct": c.change_pct}
+             "base": c.base, "new": c.new, "change_pct": c.change_pct,
+             **({"base_na": c.base_na} if c.base_na else {}),
+             **({"new_na": c.new_na} if c.new_na else {})}
             for c in result.compared
         ],
         "not_compared": [

@@ -90,7 +90,11 @@ def draw(runs: Sequence[PlotRun], out_dir: Path) -> list[Path]:
         ax.set_ylabel(y_label)
         ax.set_title(heading, fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # every cell n/a (burst): say so instead of an empty frame and a legend warning
+            ax.text(0.5, 0.5, "n/a: no cell has this figure (see decode_na in aggregate.json)",
+                    transform=ax.transAxes, ha="center", va="center")
         fig.tight_layout()
         path = out_dir / name
         fig.savefig(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.bench import results as res
-from m3patch.bench.aggregate import CELLS_DIR, write_aggregate
+from m3patch.bench.aggregate import CELLS_DIR, RESULT_COLUMNS, result_cells, write_aggregate
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
@@ -88,21 +88,11 @@ def run_sweep(
     return SweepOutcome(tuple(measured), tuple(skipped), tuple(rows))
 
 
-def _ms(seconds: object) -> str:
-    return f"{seconds * 1000:.1f}" if isinstance(seconds, (int, float)) else "-"
-
-
 def print_results(rows: Sequence[dict[str, Any]], title: str) -> None:
     """The table users read first: InferenceX's per-GPU throughput and latency per cell."""
     from m3patch.output import table
 
-    table(title, ["parallelism", "isl/osl", "conc", "tok/s/GPU", "out tok/s/GPU",
-                  "TTFT p50 ms", "TPOT p50 ms", "tok/s/user", "ok/failed"],
-          [[r["parallelism"], f"{r['isl']}/{r['osl']}", r["concurrency"],
-            f"{r['tput_per_gpu']:.1f}", f"{r['output_tput_per_gpu']:.1f}",
-            _ms(r.get("median_ttft")), _ms(r.get("median_tpot")),
-            f"{r['median_intvty']:.1f}" if r.get("median_intvty") else "-",
-            f"{r['completed']}/{r['failed']}"] for r in rows])
+    table(title, RESULT_COLUMNS, [result_cells(r) for r in rows])
 
 
 def _measure(

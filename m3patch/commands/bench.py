@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from m3patch.errors import Interrupted, UsageError
+from m3patch.recipe.names import recipe_path
 
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunSpec
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    with RunPipeline(run_spec(Path(args.what[0]), args)) as pipeline:
+    with RunPipeline(run_spec(recipe_path(args.what[0]), args)) as pipeline:
         outcome = run_steps(pipeline.steps(), lambda _result: None)
     return finish(outcome)
 

@@ -30,13 +30,15 @@ from m3patch.fsio import write_json_atomic
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
+from m3patch.recipe.names import recipe_path
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=Path, help="recipe YAML, e.g. recipes/cpu_tiny_moe.yaml")
+    parser.add_argument("recipe", type=recipe_path,
+                        help="recipe YAML or shipped recipe name, e.g. cpu_tiny_moe")
     parser.add_argument("--run-dir", type=Path, help="run folder (default: <results>/ci-<name>-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the valid cells already in --run-dir (m3patch bench --resume)")

@@ -6,13 +6,14 @@ import argparse
 from pathlib import Path
 
 from m3patch.errors import UsageError
+from m3patch.recipe.names import recipe_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = sub.add_parser("check", help="check a server log against a recipe's markers")
     check.add_argument("log", type=Path, help="a saved server log (e.g. RUN_DIR/server.log)")
-    check.add_argument("--recipe", type=Path, required=True, help="the recipe the run used")
+    check.add_argument("--recipe", type=recipe_path, required=True, help="the recipe the run used")
 
 
 def run(args: argparse.Namespace) -> int:

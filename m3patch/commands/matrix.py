@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from m3patch.recipe.names import recipe_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipes", nargs="+", type=Path, metavar="RECIPE")
+    parser.add_argument("recipes", nargs="+", type=recipe_path, metavar="RECIPE")
     parser.add_argument("--per", choices=("cell", "recipe"), default="cell",
                         help="one job per sweep cell (default, InferenceX's shape) or per recipe")
     parser.add_argument("--indent", type=int, default=None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3patch.errors import M3PatchError
+from m3patch.recipe.names import recipe_path
 
 if TYPE_CHECKING:
     from m3patch.bench.cells import Cell
@@ -19,9 +20,10 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     validate = sub.add_parser("validate", help="check recipes (and their series' markers)")
-    validate.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    validate.add_argument("files", type=recipe_path, nargs="+", metavar="FILE")
     show = sub.add_parser("show", help="the resolved argv, env and markers of a recipe")
-    show.add_argument("file", type=Path, metavar="FILE")
+    show.add_argument("file", type=recipe_path, metavar="FILE",
+                      help="recipe file, or a shipped recipe's name (e.g. mi300x_tp8)")
     show.add_argument("--python", help="the interpreter to launch with (default: the recipe's)")
 
 

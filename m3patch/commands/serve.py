@@ -15,13 +15,15 @@ from pathlib import Path
 from types import FrameType
 
 from m3patch.errors import Interrupted
+from m3patch.recipe.names import recipe_path
 
 HEALTH_PROBE_EVERY_S = 10.0  # a hung engine stays alive; only /health shows it
 WATCH_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", type=Path, help="recipe YAML (e.g. recipes/cpu_tiny_moe.yaml)")
+    parser.add_argument("recipe", type=recipe_path,
+                        help="recipe YAML or shipped recipe name (e.g. cpu_tiny_moe)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the argv, env and markers; apply and start nothing")
     parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
