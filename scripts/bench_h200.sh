@@ -12,7 +12,7 @@ python3 -m m3patch tune --shape 16,3072,6144,4,ep --shape 128,384,6144,4 --batch
   --vllm-source "$CARRY" --out-dir /tmp/tables --cache /tmp/tune-cache.jsonl --workers 0 \
   > "$OUT/tables.log" 2>&1
 tar -C /tmp -cf "$OUT/tables.tar" tables
-python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q tests/test_tune_gpu.py \
+python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q tests/tune/test_tune_gpu.py \
   > "$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log"
 python3 scripts/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" \
   --out "$OUT/bench.json" 2> "$OUT/bench.log" | tee "$OUT/bench.txt"

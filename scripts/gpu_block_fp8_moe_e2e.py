@@ -51,7 +51,7 @@ from m3patch.tune.naming import default_config
 from m3patch.tune.shapes import MoEShape
 
 ALPHA, BETA, LIMIT = 1.702, 1.0, 7.0  # MiniMax M3 swiglu_alpha / beta / limit
-# tests/test_numerics_moe_layer.py measured 0.0554-0.0565 (weights + activation quant, CPU)
+# tests/payloads/test_payload_moe_layer.py measured 0.0554-0.0565 (weights + activation quant, CPU)
 ENVELOPE = 0.057
 # rounding the output to bf16 (8-bit significand) moves each element by <= 2^-8 of itself, so
 # <= 2^-8 in Frobenius norm; fp32 accumulation adds far less than the gap between that worst

@@ -4,7 +4,7 @@
 #   bash scripts/tune_check_h200.sh [CARRY] [TUNE_BUDGET_S] [END_S]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py (vLLM
 # 0.33.0's, the kernel) and tune-cache.jsonl (the earlier runs' results, resumed).
-#  1. tests/test_tune_gpu.py;
+#  1. tests/tune/test_tune_gpu.py;
 #  2. `m3patch tune --check` on both shipped tables (patch 0005's new-file payload), EP8 with
 #     both routings (vLLM's benchmark convention and ep-rank), TP8 with the convention (no EP:
 #     every rank sees every expert);
@@ -33,7 +33,7 @@ cat "$RES/env.txt"
 
 log "stage 1: GPU tests"
 M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q \
-  tests/test_tune_gpu.py > "$RES/gpu-tests.log" 2>&1
+  tests/tune/test_tune_gpu.py > "$RES/gpu-tests.log" 2>&1
 log "gpu tests rc=$? $(tail -1 "$RES/gpu-tests.log")"; pack
 
 log "stage 2: tune --check on the shipped tables"

@@ -4,7 +4,7 @@
 # the same call. From the repo root on the device, OUT set:
 #   bash scripts/tune_h200.sh [TUNE_BUDGET_S] [CARRY]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py and, to
-# resume an earlier run, its tune-cache.jsonl. RUN_GPU_TESTS=1 adds tests/test_tune_gpu.py at
+# resume an earlier run, its tune-cache.jsonl. RUN_GPU_TESTS=1 adds tests/tune/test_tune_gpu.py at
 # the end. Everything comes back as <= 8 plain-named files (the tables are packed in
 # tables.tar: their names hold '=' and '[').
 set -euo pipefail
@@ -31,6 +31,6 @@ python3 scripts/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" 
 cp /tmp/bench/bench.json "$OUT/bench.json"
 echo "bench: ${SECONDS} s" | tee -a "$OUT/bench.log"
 if [[ ${RUN_GPU_TESTS:-0} == 1 ]]; then
-  M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q tests/test_tune_gpu.py \
+  M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q tests/tune/test_tune_gpu.py \
     > "$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log"
 fi

@@ -4,7 +4,7 @@ Conventions from InferenceX's generate_sweep_configs.py (anchors.md part 2 §3.2
 - concurrency doubles from conc-start with the last step clamped to conc-end (the recipe loader
   expands it; 1..6 gives 1, 2, 4, 6);
 - TP-only rows are latency rows and start at concurrency 1 ("capturing the single-request
-  latency point"): the shipped recipes write it in their rows (tests/test_recipe_schema.py);
+  latency point"): the shipped recipes write it in their rows (tests/recipe/test_recipe_schema.py);
 - max-model-len = isl + osl + 256.
 The cells come from cells.sweep_cells through spec.recipe_cells, the very cells
 `m3patch bench RECIPE --only CELL` selects from; the matrix adds none of its own.

@@ -2,7 +2,7 @@
 
 Mirrors `get_device_name_as_file_name` (utils/platform_utils.py), `get_config_file_name` and
 `get_default_config` (fused_moe/fused_moe.py) so the tuner can name tables and measure the
-fallback without importing vLLM. tests/test_tune_cpu.py checks these against the 0.33.0 source.
+fallback without importing vLLM. tests/tune/test_tune_cpu.py checks these against the 0.33.0 source.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The space always holds vLLM's own default config for each batch size (`naming.default_config`):
 a tuned pick must be measured against the fallback it replaces, and a search that cannot see
 the default can pick something slower (the first H200 tuning run did, at EP8 M=64 and M=128).
-Every rule below is stated relative to that default and tests/test_tune_cpu.py checks, for the
+Every rule below is stated relative to that default and tests/tune/test_tune_cpu.py checks, for the
 M3 shapes and others, that no rule ever drops it. The rules:
 
 - block FP8 clamps BLOCK_SIZE_K to the quant block at launch, so a deeper K tile is the same

@@ -1,0 +1,124 @@
+"""`m3patch matrix`: GitHub Actions strategy.matrix JSON from the shipped recipes and plain rows."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m3patch.bench.cells import Parallelism, sweep_cells
+from m3patch.bench.matrix import GITHUB_MATRIX_LIMIT, MatrixRecipe, build_matrix
+from m3patch.bench.runner import select_cells
+from m3patch.errors import UsageError
+from m3patch.main import main
+from m3patch.recipe.loader import doubling, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _recipe(par: Parallelism, rows: tuple[tuple[int, int, tuple[int, ...]], ...]) -> MatrixRecipe:
+    return MatrixRecipe("recipes/x.yaml", "x", "rocm-gfx942", "img:1", "org/model", par,
+                        sweep_cells(rows, par, 0.8))
+
+
+def test_doubling_clamps_the_last_step_to_the_end() -> None:
+    assert doubling(1, 6) == (1, 2, 4, 6)
+    assert doubling(4, 4) == (4,)
+    assert doubling(16, 128) == (16, 32, 64, 128)
+
+
+def test_one_job_per_cell_with_inferencex_fields() -> None:
+    jobs = build_matrix([_recipe(Parallelism(tp=8), ((8192, 1024, doubling(1, 6)),))])["include"]
+    assert [j["conc"] for j in jobs] == [1, 2, 4, 6]
+    job = jobs[0]
+    assert job["max-model-len"] == 8192 + 1024 + 256
+    assert job["exp-name"] == "x_8k1k"
+    assert job["cell-id"] == "isl8192-osl1024-tp8-pp1-ep1-dp1-c1"
+    assert (job["tp"], job["ep"], job["dp-attn"], job["gpus"]) == (8, 1, False, 8)
+
+
+def test_the_matrix_runs_the_rows_concurrencies_and_adds_none() -> None:
+    # The latency point (concurrency 1 for TP-only rows) is the recipe's to write: a job the
+    # matrix invented would be a cell `m3patch bench --only` refuses.
+    tp_only = build_matrix([_recipe(Parallelism(tp=8), ((1024, 1024, (4, 8)),))])["include"]
+    assert [j["conc"] for j in tp_only] == [4, 8]
+    ep = build_matrix([_recipe(Parallelism(tp=8, ep=8), ((1024, 1024, (128, 256)),))])["include"]
+    assert [j["conc"] for j in ep] == [128, 256]
+
+
+def test_per_recipe_jobs_and_the_github_limit() -> None:
+    recipe = _recipe(Parallelism(tp=8), ((1024, 1024, doubling(1, 256)), (8192, 1024, (1, 2))))
+    (job,) = build_matrix([recipe], per="recipe")["include"]
+    assert job["cells"] == 11 and job["max-model-len"] == 8192 + 1024 + 256
+    many = _recipe(Parallelism(tp=8), ((1024, 1024, tuple(range(1, GITHUB_MATRIX_LIMIT + 2))),))
+    with pytest.raises(UsageError, match="at most 256") as info:
+        build_matrix([many])
+    assert "--per recipe" in str(info.value.hint)
+
+
+def test_cli_over_every_shipped_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    recipes = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").glob("*.yaml"))
+    assert main(["matrix", *[str(REPO / r) for r in recipes]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one line, as $GITHUB_OUTPUT needs
+    jobs = json.loads(out)["include"]
+    assert {Path(j["recipe"]).name for j in jobs} == {Path(r).name for r in recipes}
+    for job in jobs:
+        assert job["max-model-len"] == job["isl"] + job["osl"] + 256
+        if job["ep"] == 1 and job["dp"] == 1 and not job["dp-attn"]:
+            starts = [j["conc"] for j in jobs if j["recipe"] == job["recipe"]
+                      and (j["isl"], j["osl"]) == (job["isl"], job["osl"])]
+            assert min(starts) == 1, job["cell-id"]
+    cpu = [j for j in jobs if j["name"] == "cpu_tiny_moe"]
+    assert len(cpu) == 3  # the CI end-to-end sweep
+
+
+def test_cli_names_the_recipe_of_a_bad_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 1.0", text)
+    bad.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    assert main(["matrix", str(bad)]) == 2
+    err = capsys.readouterr().err
+    # The recipe loader refuses it first, with the breadcrumb to the key.
+    assert f"File {bad}" in err and "At key: range-ratio" in err
+    assert "range-ratio must be in [0, 1), got 1.0" in err
+
+
+def _matrix_cell_ids(recipe: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert main(["matrix", str(recipe)]) == 0
+    return [job["cell-id"] for job in json.loads(capsys.readouterr().out)["include"]]
+
+
+def _late_start_variant(tmp_path: Path, name: str, parallelism: dict[str, object]) -> Path:
+    """The CPU recipe with a sweep that starts above concurrency 1."""
+    data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    data["parallelism"] = parallelism
+    data["sweep"]["rows"] = [{"isl": 32, "osl": 16, "concurrency": [2, 4]},
+                             {"isl": 64, "osl": 16, "conc-start": 4, "conc-end": 8}]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_bench_only_accepts_every_cell_the_matrix_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`matrix` and `bench --only` share one cell function: no job the bench would refuse."""
+    late_tp = _late_start_variant(tmp_path, "late_tp", {"tp": 1})
+    late_ep = _late_start_variant(tmp_path, "late_ep", {"tp": 2, "ep": 2})
+    for path in [*sorted((REPO / "recipes").glob("*.yaml")), late_tp, late_ep]:
+        ids = _matrix_cell_ids(path, capsys)
+        recipe = load_recipe(path)
+        for cell_id in ids:  # what each CI job runs: m3patch bench RECIPE --only CELL
+            assert [c.cell_id for c in select_cells(recipe, [cell_id])] == [cell_id], path
+        assert [c.cell_id for c in select_cells(recipe, ())] == ids, path  # and nothing else
+    for late in (late_tp, late_ep):  # exactly the rows' concurrencies, TP-only or not
+        assert [i.rsplit("-", 1)[1] for i in _matrix_cell_ids(late, capsys)] == [
+            "c2", "c4", "c4", "c8"]

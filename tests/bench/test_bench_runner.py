@@ -1,0 +1,87 @@
+"""`m3patch bench RECIPE` decisions taken before any server starts: resume, --only, overwrite.
+
+The recorded real run tests/data/bench/runs/base stands in for a finished sweep of the shipped
+CPU recipe (range-ratio 0.8, concurrency 1, 2, 4); nothing here starts vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from m3patch.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_RUN = REPO / "tests" / "data" / "bench" / "runs" / "base"
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
+    text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
+    text = re.sub(r"osl: [0-9]+", "osl: 16", text)  # the recorded runs' shape
+    path = tmp_path / "cpu_tiny_moe.yaml"
+    path.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    return path
+
+
+def test_resume_of_finished_cells_aggregates_without_a_server(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = shutil.copytree(BASE_RUN, tmp_path / "run")
+    (run / "aggregate.json").unlink()
+    (run / "aggregate.csv").unlink()
+    assert main(["bench", str(recipe), "--resume", "--run-dir", str(run), "--no-plots"]) == 0
+    assert "aggregated" in capsys.readouterr().err
+    rows = json.loads((run / "aggregate.json").read_text())["rows"]
+    assert rows == json.loads((BASE_RUN / "aggregate.json").read_text())["rows"]
+    assert (run / "aggregate.csv").is_file()
+
+
+def test_existing_results_are_not_overwritten_without_resume(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = shutil.copytree(BASE_RUN, tmp_path / "run")
+    assert main(["bench", str(recipe), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds per-cell results" in err and "--resume" in err
+
+
+def test_only_names_an_existing_cell(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", str(recipe), "--only", "isl32-osl16-c3", "--run-dir",
+                 str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "no sweep cell isl32-osl16-c3" in err and "isl32-osl16-tp1-pp1-ep1-dp1-c2" in err
+
+
+def test_a_resumed_cell_with_another_range_ratio_is_measured_again(
+    recipe: Path, tmp_path: Path
+) -> None:
+    from m3patch.bench.runner import all_finished, select_cells
+    from m3patch.recipe.loader import load_recipe
+
+    run = shutil.copytree(BASE_RUN, tmp_path / "run")
+    assert all_finished(run, select_cells(load_recipe(recipe), ()))
+    recipe.write_text(recipe.read_text().replace("range-ratio: 0.8", "range-ratio: 0.5"))
+    assert not all_finished(run, select_cells(load_recipe(recipe), ()))
+
+
+def test_an_external_server_that_does_not_answer_is_18_and_no_tree_is_touched(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        code = main(["bench", str(recipe), "--url", url, "--run-dir", str(tmp_path / "r")])
+    assert code == 18
+    err = capsys.readouterr().err
+    assert f"{url}/health" in err and "--url" in err
+    assert not (tmp_path / "r" / "ledger.json").exists()  # apply-verify skipped: not our tree

@@ -1,0 +1,90 @@
+"""CLI behaviour of `m3patch changelog check`: annotations, JSON report, the project's own file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from changelog_repo import FILE, REPO, GitRepo, entry, make_repo
+
+from m3patch.changelog import CheckInput, check
+from m3patch.changelog.sources import WorkTreeReader, build_catalog
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> GitRepo:
+    return make_repo(tmp_path, monkeypatch)
+
+
+def test_github_actions_annotations(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo.write(entry(desc="one"))
+    base = repo.commit()
+    repo.write(entry(desc="100% new"))
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    code, out = repo.check(capsys, "--base", base)
+    assert code == 16
+    # '%' must be escaped as %25 in a workflow command, or GitHub mangles the message
+    assert f"""::error file={FILE},line=4::line 4 edited: '    - "100%25 new"'""" in out
+
+
+def test_repo_defaults_to_github_repository(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from m3patch.main import main
+
+    repo.write(entry(pr="https://github.com/someone/else/pull/3"))
+    monkeypatch.setenv("GITHUB_REPOSITORY", "someone/else")
+    assert main(["changelog", "check", "--pr", "3"]) == 0
+    monkeypatch.setenv("GITHUB_REPOSITORY", "acme/other")
+    assert main(["changelog", "check", "--pr", "3"]) == 16
+    assert "expected https://github.com/acme/other/pull/3 or XXX" in capsys.readouterr().err
+
+
+def test_json_report(repo: GitRepo, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    repo.write(entry(key="nope"))
+    report = tmp_path / "out" / "changelog.json"
+    code, _ = repo.check(capsys, "--json", str(report))
+    assert code == 16
+    data = json.loads(report.read_text())
+    assert data["passed"] is False
+    assert [(f["rule"], f["line"]) for f in data["findings"]] == [("config-keys", 1)]
+    repo.write(entry(key="cpu_tiny_moe") + "\n" + entry(key="mi300x_*"))
+    assert repo.check(capsys, "--json", str(report))[0] == 0
+    data = json.loads(report.read_text())
+    assert data["new_recipes"] == ["recipes/cpu_tiny_moe.yaml", "recipes/mi300x_tp8.yaml"]
+    assert data["new_entries"] == [1, 7]
+
+
+def test_cli_subprocess_exit_codes(repo: GitRepo) -> None:
+    repo.write(entry())
+    cmd = [sys.executable, "-m", "m3patch", "changelog", "check", "--repo", REPO]
+    assert subprocess.run(cmd, cwd=repo.root, capture_output=True, check=False).returncode == 0
+    done = subprocess.run([*cmd, "--base", "HEAD"], cwd=repo.root, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 2  # a fresh repository has no HEAD yet
+    assert "unknown git ref 'HEAD'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_pre_commit_hook_definition_runs_this_command() -> None:
+    hooks = yaml.safe_load((PROJECT / ".pre-commit-hooks.yaml").read_text())
+    hook = next(h for h in hooks if h["id"] == "m3patch-changelog")
+    assert hook["entry"].split()[:3] == ["m3patch", "changelog", "check"]
+    assert hook["files"] == r"^perf-changelog\.yaml$"
+    assert hook["pass_filenames"] is False
+
+
+def test_project_changelog_is_valid() -> None:
+    raw = (PROJECT / FILE).read_bytes()
+    inp = CheckInput(path=FILE, head=raw, base=None, compare=False)
+    report = check(inp, build_catalog(WorkTreeReader(PROJECT)))
+    assert report.passed, [f.message for f in report.findings]
+    assert any("cpu_tiny_moe" in key for e in report.entries for key in e.config_keys)

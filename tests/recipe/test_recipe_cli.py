@@ -1,0 +1,125 @@
+"""`m3patch recipe validate/show`, `serve --dry-run` and `markers check` through the real CLI."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from collections.abc import Callable
+from pathlib import Path
+
+from m3patch.recipe.loader import load_recipe
+from m3patch.serving.launch_plan import all_markers
+
+REPO = Path(__file__).resolve().parents[2]
+Cli = Callable[..., subprocess.CompletedProcess[str]]
+PROV = ("(APIServer pid=5) INFO 11-29 10:01:37 [m3patch_provenance.py:50] m3patch[provenance]: "
+        "series=vllm-0.32.0 patches=provenance ledger=sha256:98")
+MOE = "(Worker pid=7) INFO 11-29 10:02:16 [unquantized.py:529] Using CPUUnquantizedExperts MoE backend"
+ARCH = "(APIServer pid=5) INFO 11-29 10:01:30 [model.py:733] Resolved architecture: Qwen3MoeForCausalLM"
+
+
+def test_validate_all_shipped_recipes(m3patch_cli: Cli) -> None:
+    files = sorted(str(p) for p in (REPO / "recipes").glob("*.yaml"))
+    result = m3patch_cli("recipe", "validate", *files)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count(": ok") == len(files)
+
+
+def test_validate_reports_every_bad_file_with_exit_2(m3patch_cli: Cli, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+                   .replace("vllm-args:", "vllm_args:")
+                   .replace("../patches/vllm-0.32.0", str(REPO / "patches" / "vllm-0.32.0")))
+    result = m3patch_cli("recipe", "validate", str(bad), "recipes/cpu_tiny_moe.yaml")
+    assert result.returncode == 2
+    assert "unknown key 'vllm_args'. Perhaps you meant 'vllm-args'?" in result.stderr
+    assert "recipes/cpu_tiny_moe.yaml: ok" in result.stderr
+
+
+def test_show_and_dry_run_print_the_launch_and_start_nothing(m3patch_cli: Cli,
+                                                             tmp_path: Path) -> None:
+    show = m3patch_cli("recipe", "show", "recipes/mi300x_tp8_eagle3.yaml", env={"COLUMNS": "250"})
+    assert show.returncode == 0, show.stderr
+    assert "-m vllm.entrypoints.cli.main serve MiniMaxAI/MiniMax-M3-MXFP8" in show.stdout
+    assert '"model":"Inferact/MiniMax-M3-EAGLE3-GQA"' in show.stdout
+    assert "VLLM_HOST_IP=127.0.0.1" in show.stdout
+    assert "m3patch[provenance]: series=vllm-0.33.0" in show.stdout  # the series' marker
+    assert "m3patch[mxfp8->block_fp8]: " in show.stdout  # a gfx942-only marker applies here
+    dry = m3patch_cli("serve", "recipes/cpu_tiny_moe.yaml", "--dry-run", "--run-dir",
+                      str(tmp_path / "run"), env={"COLUMNS": "250"})
+    assert dry.returncode == 0, dry.stderr
+    assert "--dtype float32 --enforce-eager" in dry.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_markers_check_exit_codes_on_a_saved_log(m3patch_cli: Cli, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\n")
+    ok = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml",
+                     env={"COLUMNS": "250"})
+    assert ok.returncode == 0, ok.stderr
+    log.write_text(f"{ARCH}\n{MOE}\n")
+    missing = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml")
+    assert missing.returncode == 12
+    assert "'provenance'" in missing.stderr and "patch provenance in" in missing.stderr
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\nERROR EngineCore failed: EngineDeadError\n")
+    forbidden = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml")
+    assert forbidden.returncode == 13
+    assert f"{log}:4: ERROR EngineCore failed: EngineDeadError" in forbidden.stderr
+
+
+BOX = set("│┃━─┏┓┗┛┡┩└┘┌┐╇┳┻╋")
+
+
+def _on_an_80_column_terminal(*args: str) -> str:
+    """Run the CLI with stdout on a real pseudo-terminal 80 columns wide; return what it drew."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "m3patch", *args], stdout=terminal,
+                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_show_keeps_every_marker_text_whole_at_80_columns() -> None:
+    recipe = REPO / "recipes" / "h200_tp8_block_fp8.yaml"
+    drawn = _on_an_80_column_terminal("recipe", "show", str(recipe))
+    assert BOX & set(drawn), "stdout is a terminal here: the sweep is a boxed table"
+    lines = drawn.splitlines()
+    specs = all_markers(load_recipe(recipe), None)
+    assert max(len(m.text) for m in specs) > 80  # the tuned-table path is wider than the screen
+    for spec in specs:
+        assert f"    {spec.text!r}" in lines, spec.id  # whole, on its own line, ready to copy
+
+
+def test_tables_to_a_pipe_are_plain_text(m3patch_cli: Cli, tmp_path: Path) -> None:
+    show = m3patch_cli("recipe", "show", "recipes/mi355x_tp4.yaml")
+    assert show.returncode == 0, show.stderr
+    assert not BOX & set(show.stdout)
+    waiver = next(line for line in show.stdout.splitlines() if line.startswith("packed-e8m0 "))
+    assert waiver.endswith("recipes/mi355x_tp4_native.yaml gates the packed path")  # not cut
+    log = tmp_path / "server.log"
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\n")
+    check = m3patch_cli("markers", "check", str(log), "--recipe", "recipes/cpu_tiny_moe.yaml")
+    assert check.returncode == 0, check.stderr
+    assert not BOX & set(check.stdout)
+    rows = [line.split() for line in check.stdout.splitlines()]
+    assert ["cpu-moe-backend", "required", "Using", "CPUUnquantizedExperts", "MoE", "backend", "1", "1",
+            "recipe", "recipes/cpu_tiny_moe.yaml"] in rows
