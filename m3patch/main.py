@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
         print(f"m3patch {__version__}")
         return 0
+    # deferred: after the --version fast path (dataclasses, traceback)
     from m3patch.errors_handler import handle_errors
 
     global_args, name, rest = _split(args)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 @cache
 def console() -> Console:
+    # deferred: rich: loaded only when something is printed (keeps --version fast)
     from rich.console import Console
 
     return Console(stderr=True, highlight=False, soft_wrap=True)
@@ -21,6 +22,7 @@ def console() -> Console:
 
 @cache
 def stdout_console() -> Console:
+    # deferred: rich: loaded only when something is printed (keeps --version fast)
     from rich.console import Console
 
     # Logs and pipes get rich's 80-column default, which truncates table cells; CI logs are wide.
@@ -47,6 +49,7 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
         sys.stdout.write(plain_table(title, columns, cells))
         sys.stdout.flush()
         return
+    # deferred: rich: loaded only when something is printed (keeps --version fast)
     from rich.markup import escape
     from rich.table import Table
 
@@ -85,6 +88,7 @@ def progress(total: int, description: str) -> Iterator[Callable[[str], None]]:
 
         yield advance_plain
         return
+    # deferred: rich: loaded only when something is printed (keeps --version fast)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -43,6 +43,7 @@ def _series_of(run: PlotRun) -> dict[str, list[dict[str, Any]]]:
 
 
 def have_matplotlib() -> bool:
+    # deferred: lazy by design
     import importlib.util
 
     return importlib.util.find_spec("matplotlib") is not None
@@ -50,11 +51,13 @@ def have_matplotlib() -> bool:
 
 def _pyplot() -> Any:
     try:
+        # deferred: matplotlib: only plotting needs it (optional extra)
         import matplotlib
     except ImportError:
         msg = "plots need matplotlib, which is not installed"
         raise UsageError(msg, hint="pip install 'm3patch[plots]' (or pass --no-plots)") from None
     matplotlib.use("Agg")
+    # deferred: matplotlib: only plotting needs it (optional extra)
     import matplotlib.pyplot as plt
 
     return plt

@@ -16,6 +16,9 @@ from typing import Any
 from m3patch.bench.cells import Cell, Parallelism, sweep_cells
 from m3patch.bench.matrix import MatrixRecipe
 from m3patch.errors import UsageError
+from m3patch.patching.ledger import digest, ledger_path, read_ledger
+from m3patch.patching.locate import find_vllm
+from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
 
 IMAGE_ENV = "M3PATCH_IMAGE"
@@ -74,8 +77,6 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
     says who started the server: "m3patch serve" (tree verified, markers gated) or "external".
     A tree without a ledger is an unpatched baseline: series null, no patches.
     """
-    from m3patch.patching.ledger import digest, ledger_path, read_ledger
-    from m3patch.patching.locate import find_vllm
 
     tree = find_vllm(python=python)
     ledger = read_ledger(tree.root)
@@ -97,8 +98,6 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
 
 
 def _patch_hashes(recipe: Recipe, patch_ids: tuple[str, ...]) -> list[dict[str, str | None]]:
-    from m3patch.patching.series import load_series
-
     lock = load_series(recipe.series_dir).lock
     pins = {pin.id: pin.sha256 for pin in lock.patches} if lock else {}
     return [{"id": pid, "sha256": pins.get(pid)} for pid in patch_ids]

@@ -21,6 +21,7 @@ from m3patch.bench.aggregate import CELLS_DIR, RESULT_COLUMNS, result_cells, wri
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
+from m3patch.output import info, progress, table
 
 RAW_DIR = "raw"
 LOGS_DIR = "logs"
@@ -66,8 +67,6 @@ def run_sweep(
     deadline_for: Callable[[Cell], float],
     check_server: Callable[[], None],
 ) -> SweepOutcome:
-    from m3patch.output import info, progress
-
     prepare_run_dir(settings)
     measured, skipped = [], []
     with progress(len(cells), "sweep") as advance:
@@ -90,7 +89,6 @@ def run_sweep(
 
 def print_results(rows: Sequence[dict[str, Any]], title: str) -> None:
     """The table users read first: InferenceX's per-GPU throughput and latency per cell."""
-    from m3patch.output import table
 
     table(title, RESULT_COLUMNS, [result_cells(r) for r in rows])
 

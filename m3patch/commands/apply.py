@@ -12,6 +12,7 @@ from m3patch.commands.common import (
     say,
     tree_and_series,
 )
+from m3patch.patching.api import Mode, apply_series, ensure_series, verify_tree
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     prepare_process()
     # deferred: `m3patch --help` and the other commands stay light (the command table is lazy)
-    from m3patch.patching.api import Mode, apply_series, ensure_series, verify_tree
 
     tree, series = tree_and_series(args)
     plain = not (args.dry_run or args.only or args.offset)

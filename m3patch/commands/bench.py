@@ -15,8 +15,15 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from m3patch.bench import compare as cmp
+from m3patch.bench.aggregate import load_aggregate
+from m3patch.bench.plots import PlotRun, draw, run_title
+from m3patch.bench.results import write_result
 from m3patch.errors import Interrupted, UsageError
+from m3patch.output import info, stdout_console, table
 from m3patch.recipe.names import recipe_path
+from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
+from m3patch.run.steps import finish, run_steps
 
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunSpec
@@ -59,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     if len(args.what) != 1:
         msg = f"bench takes one recipe, got {len(args.what)}: {' '.join(args.what)}"
         raise UsageError(msg, hint="m3patch bench RECIPE  (or: m3patch bench compare BASE NEW)")
-    from m3patch.run.pipeline import RunPipeline
-    from m3patch.run.steps import finish, run_steps
 
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
@@ -71,8 +76,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_spec(recipe: Path, args: argparse.Namespace) -> RunSpec:
-    from m3patch.run.pipeline import PlotMode, RunCommand, RunSpec
-
     return RunSpec(recipe, RunCommand.BENCH, run_dir=args.run_dir, python=args.python,
                    port=args.port, only=tuple(args.only), resume=args.resume, seed=args.seed,
                    url=args.url, plots=PlotMode.OFF if args.no_plots else PlotMode.OPTIONAL)
@@ -84,11 +87,6 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
-    from m3patch.bench import compare as cmp
-    from m3patch.bench.aggregate import load_aggregate
-    from m3patch.bench.plots import PlotRun, draw, run_title
-    from m3patch.bench.results import write_result
-    from m3patch.output import info, stdout_console, table
 
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)

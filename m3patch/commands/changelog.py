@@ -16,6 +16,20 @@ import argparse
 import os
 from pathlib import Path
 
+from m3patch.changelog import CheckInput, check, raise_for_errors
+from m3patch.changelog.findings import errors_of, github_annotation
+from m3patch.changelog.sources import (
+    GitRefReader,
+    WorkTreeReader,
+    build_catalog,
+    git_toplevel,
+    resolve_repo,
+    verify_ref,
+)
+from m3patch.errors import UsageError
+from m3patch.fsio import write_json_atomic
+from m3patch.output import info
+
 DEFAULT_FILE = "perf-changelog.yaml"
 
 
@@ -33,16 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.changelog import CheckInput, check, raise_for_errors
-    from m3patch.changelog.findings import errors_of, github_annotation
-    from m3patch.changelog.sources import (
-        GitRefReader,
-        WorkTreeReader,
-        build_catalog,
-        resolve_repo,
-        verify_ref,
-    )
-    from m3patch.output import info
 
     root, path = _locate(args)
     rel = _relative(path, root)
@@ -70,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _locate(args: argparse.Namespace) -> tuple[Path | None, Path]:
-    from m3patch.changelog.sources import git_toplevel
-
     start = args.file.parent if args.file is not None else Path.cwd()
     root = git_toplevel(start.resolve() if start.exists() else Path.cwd())
     if args.file is not None:
@@ -80,8 +82,6 @@ def _locate(args: argparse.Namespace) -> tuple[Path | None, Path]:
 
 
 def _need_git(root: Path | None) -> Path:
-    from m3patch.errors import UsageError
-
     if root is None:
         msg = "--base/--head need a git repository, and the changelog is not inside one"
         raise UsageError(msg, hint="run from the repository, or pass --file inside it")
@@ -95,8 +95,6 @@ def _relative(path: Path, root: Path | None) -> str:
 
 
 def _read_head(root: Path | None, rel: str, path: Path, head_ref: str | None) -> bytes:
-    from m3patch.changelog.sources import GitRefReader
-    from m3patch.errors import UsageError
 
     if head_ref is None:
         try:
@@ -112,14 +110,10 @@ def _read_head(root: Path | None, rel: str, path: Path, head_ref: str | None) ->
 
 
 def _read_base(root: Path | None, rel: str, base_ref: str | None) -> bytes | None:
-    from m3patch.changelog.sources import GitRefReader
-
     if base_ref is None:
         return None
     return GitRefReader(_need_git(root), base_ref).read(rel)  # absent at base: a new file
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:
-    from m3patch.fsio import write_json_atomic
-
     write_json_atomic(path, data)

@@ -30,7 +30,10 @@ from m3patch.fsio import write_json_atomic
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
+from m3patch.output import info
 from m3patch.recipe.names import recipe_path
+from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
+from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
@@ -45,9 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.output import info
-    from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
-    from m3patch.run.steps import finish, run_steps
 
     # CI cancelling the job must unwind like Ctrl-C, so the server's group is stopped.
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -69,8 +69,6 @@ def ci_steps(pipeline: RunPipeline) -> list[Step]:
 
 
 def _serve_sweep(pipeline: RunPipeline) -> StepDone:
-    from m3patch.run.steps import StepDone, StepStatus
-
     with teed_output(pipeline.planned.run_dir / SERVE_LOG):
         served = pipeline.serve()
         swept = pipeline.sweep()
@@ -80,8 +78,6 @@ def _serve_sweep(pipeline: RunPipeline) -> StepDone:
 
 
 def _print_step(result: StepResult) -> None:
-    from m3patch.output import info
-
     info(f"ci: {result.name}: {result.status.value} ({result.seconds:.1f} s) {result.message}")
 
 

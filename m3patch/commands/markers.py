@@ -6,7 +6,11 @@ import argparse
 from pathlib import Path
 
 from m3patch.errors import UsageError
+from m3patch.markers import MarkerChecker, check_log_bytes
+from m3patch.output import table
+from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
+from m3patch.serving.launch_plan import all_markers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,10 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.markers import MarkerChecker, check_log_bytes
-    from m3patch.output import table
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.serving.launch_plan import all_markers
 
     recipe = load_recipe(args.recipe)
     specs = all_markers(recipe, None)

@@ -11,6 +11,9 @@ import argparse
 import json
 import sys
 
+from m3patch.bench.matrix import build_matrix
+from m3patch.bench.spec import matrix_recipe
+from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 
 
@@ -23,9 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.bench.matrix import build_matrix
-    from m3patch.bench.spec import matrix_recipe
-    from m3patch.recipe.loader import load_recipe
 
     # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
     # from, and names the recipe in a sweep error.

@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from m3patch.output import info, table
+from m3patch.recipe import model_files
+from m3patch.recipe.loader import load_recipe
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -25,9 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.output import info, table
-    from m3patch.recipe import model_files
-    from m3patch.recipe.loader import load_recipe
 
     recipe = load_recipe(args.recipe)
     env = model_files.launch_env(recipe)

@@ -9,8 +9,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3patch.bench.spec import recipe_cells
 from m3patch.errors import M3PatchError
+from m3patch.output import info, table
+from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
+from m3patch.serving.launch_plan import all_markers, plan_launch
 
 if TYPE_CHECKING:
     from m3patch.bench.cells import Cell
@@ -28,9 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(files: list[Path]) -> int:
-    from m3patch.output import info
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.serving.launch_plan import all_markers
 
     first_error: M3PatchError | None = None
     for path in files:
@@ -46,10 +47,6 @@ def _validate(files: list[Path]) -> int:
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
     """Print what `serve` would run; shared with `serve --dry-run`."""
-    from m3patch.bench.spec import recipe_cells
-    from m3patch.output import table
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.serving.launch_plan import plan_launch
 
     recipe = load_recipe(recipe_path)
     interpreter = python or recipe.target.python or sys.executable

@@ -12,6 +12,7 @@ from m3patch.commands.common import (
     say,
     tree_and_series,
 )
+from m3patch.patching.api import revert_series
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prepare_process()
-    from m3patch.patching.api import revert_series
 
     tree, series = tree_and_series(args)
     report = revert_series(tree, series, dry_run=args.dry_run)

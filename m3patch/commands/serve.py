@@ -14,8 +14,14 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted
+from m3patch.output import info
+from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
+from m3patch.run.pipeline import RunCommand, RunPipeline, RunSpec, default_run_dir, echo_server_line
+from m3patch.run.steps import finish, run_steps
+from m3patch.serving.server_session import ServeSession
 
 HEALTH_PROBE_EVERY_S = 10.0  # a hung engine stays alive; only /health shows it
 WATCH_S = 1.0
@@ -47,8 +53,6 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from m3patch.commands.recipe import show_plan
-
     if args.dry_run:
         show_plan(args.recipe, args.python, args.port)
         return 0
@@ -60,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve_bench(args: argparse.Namespace) -> int:
     """The run pipeline with this command's server settings: every cell, plots, then stop."""
-    from m3patch.run.pipeline import RunCommand, RunPipeline, RunSpec
-    from m3patch.run.steps import finish, run_steps
 
     spec = RunSpec(args.recipe, RunCommand.SERVE, run_dir=args.run_dir, python=args.python,
                    port=args.port, echo=not args.quiet)
@@ -71,10 +73,6 @@ def _serve_bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from m3patch.output import info
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.run.pipeline import RunCommand, default_run_dir, echo_server_line
-    from m3patch.serving.server_session import ServeSession
 
     recipe = load_recipe(args.recipe)
     run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)

@@ -20,6 +20,8 @@ from m3patch.commands.common import (
     tree_and_series,
 )
 from m3patch.errors import PatchConflict
+from m3patch.output import table
+from m3patch.patching.api import tree_status
 
 if TYPE_CHECKING:
     from m3patch.patching.status import StatusReport
@@ -36,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prepare_process()
-    from m3patch.patching.api import tree_status
 
     tree, series = tree_and_series(args)
     report = tree_status(tree, series)
@@ -56,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tables(report: StatusReport, title: str) -> None:
-    from m3patch.output import table
-
     table(title, ["patch", "state", "can drop", "summary"],
           [[p["id"], p["state"], "yes" if p["can_drop"] else "no", p["summary"]]
            for p in report.patches])

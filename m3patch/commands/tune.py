@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import UsageError
-from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS
+from m3patch.recipe.loader import load_recipe
+from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS, format_table
+from m3patch.tune.naming import table_file_name
+from m3patch.tune.recipe_shapes import read_model_config, shape_for_recipe
 from m3patch.tune.routing import KINDS, routing_for
 from m3patch.tune.shapes import (
     MoEShape,
@@ -30,7 +33,8 @@ from m3patch.tune.shapes import (
     parse_explicit_shape,
     shapes_from_model_config,
 )
-from m3patch.tune.space import FULL_AXES, REDUCED_BF16_AXES, SpaceAxes
+from m3patch.tune.space import FULL_AXES, REDUCED_BF16_AXES, SpaceAxes, space_for_shape
+from m3patch.tune.table_check import fail_on_losses, shape_for_table
 
 AXES = {"full": FULL_AXES, "reduced-bf16": REDUCED_BF16_AXES}
 
@@ -101,8 +105,6 @@ def _recipe_shape(args: argparse.Namespace, dtype: str, block: tuple[int, int] |
         msg = f"{', '.join(given)} cannot be combined with --recipe: the recipe sets parallelism"
         raise UsageError(msg, hint=f"edit parallelism/env in {args.recipe}, or use "
                                    f"--model-config with {' '.join(given)} instead of --recipe")
-    from m3patch.recipe.loader import load_recipe
-    from m3patch.tune.recipe_shapes import shape_for_recipe
 
     return shape_for_recipe(load_recipe(args.recipe), model_config=args.model_config,
                             dtype=dtype, block_shape=block)
@@ -122,7 +124,6 @@ def _shapes(args: argparse.Namespace) -> tuple[MoEShape, ...]:
     if args.shape:
         return tuple(parse_explicit_shape(text, dtype=dtype, block_shape=block, ep=args.ep)
                      for text in args.shape)
-    from m3patch.tune.recipe_shapes import read_model_config
 
     return (shapes_from_model_config(read_model_config(args.model_config),
                                      tp=1 if args.tp is None else args.tp, ep=args.ep,
@@ -133,8 +134,6 @@ def _shapes(args: argparse.Namespace) -> tuple[MoEShape, ...]:
 
 def _print_plan(shapes: tuple[MoEShape, ...], batches: tuple[int, ...], axes: SpaceAxes,
                 device_name: str | None) -> None:
-    from m3patch.tune.naming import table_file_name
-    from m3patch.tune.space import space_for_shape
 
     for shape in shapes:
         plan = space_for_shape(shape, batches, axes)
@@ -158,8 +157,6 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 def _check_shape(args: argparse.Namespace) -> MoEShape:
-    from m3patch.tune.table_check import shape_for_table
-
     given = None
     if args.shape or args.recipe or args.model_config:
         shapes = _shapes(args)
@@ -175,6 +172,7 @@ def _import_job() -> Any:
     torch/triton is a usage error with one message, never a traceback."""
     hint = "run it on the GPU machine the table is for, in the image with torch and triton"
     try:
+        # deferred: torch: only the tuner/kernel paths need it
         import torch
     except ImportError as exc:
         msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"
@@ -183,6 +181,7 @@ def _import_job() -> Any:
         msg = "m3patch tune needs a GPU: torch.cuda.is_available() is False on this machine"
         raise UsageError(msg, hint=hint)
     try:
+        # deferred: job imports torch/triton at load
         from m3patch.tune import job
     except ImportError as exc:
         msg = f"m3patch tune needs torch and triton on a CUDA machine ({exc})"
@@ -191,8 +190,6 @@ def _import_job() -> Any:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from m3patch.tune.judge import format_table
-    from m3patch.tune.table_check import fail_on_losses
 
     shape = _check_shape(args)
     batches = None if args.batch_sizes == "default" else parse_batch_sizes(args.batch_sizes)
@@ -227,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         _print_plan(shapes, batches, axes, args.device_name)
         return 0
     job = _import_job()
+    # deferred: tuner imports torch/triton at load
     from m3patch.tune.tuner import TuneOptions
 
     deadline = time.monotonic() + args.time_budget if args.time_budget else None

@@ -12,6 +12,7 @@ from m3patch.commands.common import (
     say,
     tree_and_series,
 )
+from m3patch.patching.api import verify_tree
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prepare_process()
-    from m3patch.patching.api import verify_tree
 
     tree, series = tree_and_series(args)
     report = verify_tree(tree, series)

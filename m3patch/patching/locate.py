@@ -11,6 +11,7 @@ Version policy (the series pins a base version such as 0.33.0; see `check_target
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
 import re
@@ -217,7 +218,6 @@ def compile_with(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str,
     """(Python version, {path: error}) from compiling every source in memory in ONE run of
     `python` (isolated, no site, no .pyc written): what matters is the grammar of the
     interpreter that will import the tree, not m3patch's own."""
-    import base64
 
     payload = json.dumps({p: base64.b64encode(d).decode() for p, d in sources.items()})
     hint = "pass --python PATH to the interpreter that runs vLLM"

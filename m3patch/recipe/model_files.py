@@ -220,6 +220,7 @@ def hub_downloader() -> Downloader:
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.pop(name, None)
     try:
+        # deferred: huggingface_hub: optional extra, only `model fetch` needs it
         from huggingface_hub import snapshot_download
     except ImportError:
         msg = "fetching models needs huggingface_hub, which is not installed"

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING
 
 from m3patch import markers as mk
 from m3patch.errors import UsageError
+from m3patch.output import info
+from m3patch.patching.api import ensure_series
+from m3patch.patching.locate import find_vllm
+from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
@@ -51,7 +55,6 @@ class LaunchPlan:
 
 def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
     """The markers the recipe's series declares for the recipe's platform."""
-    from m3patch.patching.series import load_series
 
     series = load_series(recipe.series_dir)
     if series.target_version != recipe.target.vllm_version:
@@ -103,16 +106,12 @@ def check_model(recipe: Recipe) -> None:
 
 def ensure_tree(recipe: Recipe, python: str) -> EnsuredTree:
     """The tree `python` imports, made exactly the recipe's series and verified."""
-    from m3patch.patching.api import ensure_series
-    from m3patch.patching.locate import find_vllm
-    from m3patch.patching.series import load_series
 
     return ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
     """Check the model, apply and verify the series; the ledger's sha256 hex."""
-    from m3patch.output import info
 
     check_model(recipe)
     ensured = ensure_tree(recipe, python)

@@ -16,8 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from m3patch.tune.kernel_source import load_kernel
 from m3patch.tune.shapes import MoEShape
-from m3patch.tune.space import TileConfig
+from m3patch.tune.space import TileConfig, uses_naive_assignment
 
 Job = tuple[dict[str, Any], int, list[tuple[int, ...]]]  # shape, batch, configs as tuples
 _STATE: dict[str, Any] = {}
@@ -25,19 +26,18 @@ _WEIGHTS: dict[str, Any] = {}  # per shape key, kept for the worker's life
 
 
 def _init_worker(vllm_source: str | None) -> None:
-    from m3patch.tune.kernel_source import load_kernel
-
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     _STATE["kernel"] = load_kernel(Path(vllm_source) if vllm_source else None).kernel
 
 
 def _warm(job: Job) -> list[tuple[str, int, str]]:
     """Launch each config once on random inputs of the real shape; return the failures."""
+    # deferred: torch: only the tuner/kernel paths need it
     import torch
 
+    # deferred: inputs imports torch/triton at load
     from m3patch.tune import inputs
     from m3patch.tune.launch import GemmArgs, launch
-    from m3patch.tune.space import uses_naive_assignment
 
     raw_shape, batch, raw_configs = job
     shape = MoEShape(**{**raw_shape, "block_shape": tuple(raw_shape["block_shape"])

@@ -59,6 +59,7 @@ def _scale_strides(a_scale: Any, b_scale: Any) -> tuple[int, ...]:
 
 def launch(kernel: Any, args: GemmArgs, cfg: TileConfig, *, block_shape: tuple[int, int] | None,
            capability: tuple[int, int]) -> None:
+    # deferred: triton: only the tuner/kernel paths need it
     import triton.language as tl
 
     fp8 = args.b_scale is not None

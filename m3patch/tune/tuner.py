@@ -57,6 +57,7 @@ class Progress:
     @contextmanager
     def running(self) -> Iterator[Progress]:
         try:
+            # deferred: rich: loaded only when something is printed (keeps --version fast)
             from rich.progress import Progress as RichProgress
 
             from m3patch.output import console
