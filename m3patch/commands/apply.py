@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from m3patch.commands.common import (
-    add_series_option,
-    add_tree_options,
-    err,
-    prepare_process,
-    say,
-    tree_and_series,
-)
+from m3patch.commands.common import add_tree_and_series_options, err, say, start_tree_command
 from m3patch.patching.api import Mode, apply_series, ensure_series, verify_tree
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_tree_options(parser)
-    add_series_option(parser)
+    add_tree_and_series_options(parser)
     parser.add_argument("--verify", action="store_true", help="verify the tree afterwards")
     parser.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
     parser.add_argument("--only", nargs="+", metavar="ID", help="apply only these patch ids")
@@ -26,10 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_process()
-    # deferred: `m3patch --help` and the other commands stay light (the command table is lazy)
-
-    tree, series = tree_and_series(args)
+    tree, series = start_tree_command(args)
     plain = not (args.dry_run or args.only or args.offset)
     if args.verify and plain:  # the same path serve, bench and ci take
         ensured = ensure_series(tree, series)

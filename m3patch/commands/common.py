@@ -42,6 +42,17 @@ def tree_and_series(args: argparse.Namespace) -> tuple[VllmTree, Series]:
     return tree, load_series(series_dir(args, tree))
 
 
+def add_tree_and_series_options(parser: argparse.ArgumentParser) -> None:
+    add_tree_options(parser)
+    add_series_option(parser)
+
+
+def start_tree_command(args: argparse.Namespace) -> tuple[VllmTree, Series]:
+    """What every command on a tree and its series does first: the process set-up, then both."""
+    prepare_process()
+    return tree_and_series(args)
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     msg = f"received signal {signal.Signals(signum).name}"
     raise Interrupted(msg, hint="re-run the same command; the next apply or revert completes or "

@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from m3patch.commands.common import (
-    add_series_option,
-    add_tree_options,
-    err,
-    prepare_process,
-    say,
-    tree_and_series,
-)
+from m3patch.commands.common import add_tree_and_series_options, err, say, start_tree_command
 from m3patch.patching.api import revert_series
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_tree_options(parser)
-    add_series_option(parser)
+    add_tree_and_series_options(parser)
     parser.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_process()
-
-    tree, series = tree_and_series(args)
+    tree, series = start_tree_command(args)
     report = revert_series(tree, series, dry_run=args.dry_run)
     for note in report.notes:
         err(f"m3patch: {note}")

@@ -12,13 +12,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from m3patch.commands.common import (
-    add_series_option,
-    add_tree_options,
-    prepare_process,
-    say,
-    tree_and_series,
-)
+from m3patch.commands.common import add_tree_and_series_options, say, start_tree_command
 from m3patch.errors import PatchConflict
 from m3patch.output import table
 from m3patch.patching.api import tree_status
@@ -31,15 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("exit 0: every file pristine or applied; exit 5: a file is partially "
                      "applied, drifted, modified after apply, missing or upstreamed "
                      "(see docs/exit-codes.md)")
-    add_tree_options(parser)
-    add_series_option(parser)
+    add_tree_and_series_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_process()
-
-    tree, series = tree_and_series(args)
+    tree, series = start_tree_command(args)
     report = tree_status(tree, series)
     if args.json:
         say(json.dumps(report.to_json(), indent=2))
