@@ -1,7 +1,7 @@
 """CI's check of the demo's printed output (scripts/check_demo_output.py) on a real demo log.
 
 tests/data/demo/: the tail of `bash scripts/demo.sh` on the 2-core machine (2026-12-01, the
-osl-16 workload; checkout paths made relative) and that run's aggregate.json.
+osl-16 workload; checkout and home paths made relative) and that run's aggregate.json.
 """
 
 from __future__ import annotations
