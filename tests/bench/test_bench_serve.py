@@ -105,7 +105,7 @@ def test_compare_of_the_two_runs_prints_the_table(runs: Path) -> None:
     assert "3 cell(s) compared on total tok/s/GPU" in out.stdout
     rows = [line.split() for line in out.stdout.splitlines()]  # plain text: stdout is a pipe
     for conc in ("1", "2", "4"):
-        assert any(len(row) == 6 and row[:3] == ["32/16", "TP1", conc] for row in rows), conc
+        assert any(len(row) == 6 and row[:3] == ["32/128", "TP1", conc] for row in rows), conc
 
 
 def test_resume_of_a_finished_run_keeps_every_cell_without_a_server(runs: Path) -> None:
