@@ -289,7 +289,9 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
     pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
     offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
                     for p in plans for pid, h in p.offsets if h.offset)
-    hunks = tuple({"path": p.path, **h.fields(pid)} for p in plans for pid, h in p.offsets)
+    hunk_state = "pending" if dry_run else "applied"  # the probe's state is the one before the run
+    hunks = tuple({"path": p.path, **h.fields(pid), "state": hunk_state}
+                  for p in plans for pid, h in p.offsets)
     order = [p.id for p in series.patches if p.id in wanted]
     return ApplyReport(series_id=series.id, mode=mode, dry_run=dry_run,
                        applied=tuple(i for i in order if i in pending),
