@@ -61,7 +61,8 @@ def tree_status(tree: VllmTree, series: Series) -> StatusReport:
                    "patches": [s.patch_id for s in c.steps],
                    "sha256": statuses[c.path].current,
                    "diagnosis": engine.diagnosis(statuses[c.path])[1:],
-                   "hunks": [h.fields(pid) for pid, h in statuses[c.path].hunks]}
+                   "hunks": [h.fields(pid) for pid, h in statuses[c.path].hunks],
+                   "differs_at": statuses[c.path].differs_at}
                   for c in snap.chains)
     rows = tuple({"id": p.id, "state": str(states.get(p.id, PatchState.NO_FILES)),
                   "summary": p.summary,

@@ -120,7 +120,8 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
                             [f"{path}: {status.state}, not the pinned post-image"])
             files.append({"path": path, "state": state_name(status.state),
                           "sha256": status.current,
-                          "hunks": [h.fields(pid) for pid, h in status.hunks]})
+                          "hunks": [h.fields(pid) for pid, h in status.hunks],
+                          "differs_at": status.differs_at})
     who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
     notes = ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),

@@ -120,3 +120,35 @@ def test_state_names_have_no_spaces() -> None:
     assert state_name(FileState.MODIFIED) == "modified-after-apply"
     assert state_name(FileState.APPLIED_OFFSET) == "applied-offset"
     assert state_name(PatchState.NO_FILES) == "no-files"
+
+
+def test_a_change_outside_every_hunk_says_where_the_file_differs(
+        vllm_tree: Path, pristine_033: Path, m3patch_cli: CliRunner) -> None:
+    """Line 10 of modelopt.py (no hunk near it) edited in place: before apply the file is
+    drifted with every hunk pending, after apply it is modified after apply with every hunk
+    applied; either way status and verify name line 10, against the pristine file and against
+    the post-image, read from the cached pristine tree."""
+    args = ("--vllm-root", str(vllm_tree), "--series", str(SERIES))
+    path = vllm_tree / MODELOPT
+
+    def edit_line_10() -> None:
+        lines = path.read_bytes().splitlines(keepends=True)
+        lines[9] = b"import torch  # edited by hand\n"
+        replace_file(path, b"".join(lines))
+
+    edit_line_10()
+    code, status = run_json(m3patch_cli, "status", vllm_tree)
+    item = {f["path"]: f for f in status["files"]}[MODELOPT]
+    assert code == errors.PatchConflict.exit_code and item["state"] == "drifted"
+    assert item["differs_at"] == 10, item
+    human = m3patch_cli("status", *args)
+    assert "first differs from the pristine file at line 10" in human.stdout, human.stdout
+    replace_file(path, (pristine_033 / MODELOPT).read_bytes())
+    assert m3patch_cli("apply", *args).returncode == 0
+    edit_line_10()
+    code, verify = run_json(m3patch_cli, "verify", vllm_tree)
+    (item,) = verify["files"]
+    assert code == errors.VerifyFailed.exit_code and item["state"] == "modified-after-apply"
+    assert item["differs_at"] == 10 and verify["problem_count"] == 1, item
+    human = m3patch_cli("verify", *args)
+    assert "first differs from the post-image file at line 10" in human.stderr, human.stderr
