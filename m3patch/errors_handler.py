@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from m3patch import __version__
 from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError
@@ -29,6 +31,28 @@ def _silence_stdout() -> None:
 @dataclass
 class Outcome:
     code: int = 0
+
+
+# The --json object of the running command (m3patch.patching.report_json), printed on stdout
+# with the error when the command fails, so a machine reader never gets an empty stdout.
+_json_report: dict[str, Any] | None = None
+
+
+def report_json_on_error(fields: dict[str, Any] | None) -> None:
+    """Register (or, with None, drop) the object an error is to be reported in on stdout."""
+    global _json_report  # one command per process; handle_errors resets it per run
+    _json_report = fields
+
+
+def _emit_json(code: int, kind: str, message: str, hint: str | None) -> None:
+    if _json_report is None:
+        return
+    report = {**_json_report, "exit_code": code, "ok": False,
+              "error": {"type": kind, "message": message, "hint": hint}}
+    try:
+        print(json.dumps(report, indent=2), flush=True)
+    except (OSError, ValueError):  # stdout closed or full: the stderr message stands alone
+        _silence_stdout()
 
 
 def _emit(message: str, *, annotated: bool = False) -> None:
@@ -66,6 +90,7 @@ def _write_crash_log(exc: BaseException) -> Path | None:
 @contextmanager
 def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
     outcome = Outcome()
+    report_json_on_error(None)
     debug = debug or os.environ.get("M3PATCH_DEBUG_TRACEBACK") == "1"
     try:
         yield outcome
@@ -74,9 +99,11 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
             traceback.print_exc()
         _emit(str(exc), annotated=exc.annotated)
         outcome.code = exc.exit_code
+        _emit_json(exc.exit_code, type(exc).__name__, exc.message, exc.hint)
     except KeyboardInterrupt:
         print("m3patch: interrupted", file=sys.stderr)
         outcome.code = 130
+        _emit_json(130, "Interrupted", "interrupted", None)
     except BrokenPipeError:  # the reader of stdout left (`status --json | head -1`)
         _silence_stdout()
         outcome.code = CLOSED_PIPE_EXIT
@@ -87,5 +114,7 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
         if debug or log is None:
             traceback.print_exc()
         where = f"; details in {log}" if log else ""
-        _emit(f"internal error: {type(exc).__name__}: {exc}{where} (please report it)")
+        message = f"internal error: {type(exc).__name__}: {exc}{where} (please report it)"
+        _emit(message)
         outcome.code = INTERNAL_ERROR_EXIT
+        _emit_json(INTERNAL_ERROR_EXIT, "InternalError", message, None)

@@ -9,12 +9,12 @@ killed run's transaction is pending (status only reports it: apply or revert rec
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING
 
 from m3patch.commands.common import add_tree_and_series_options, say, start_tree_command
 from m3patch.errors import PatchConflict
 from m3patch.output import table
+from m3patch.patching import report_json
 from m3patch.patching.api import tree_status
 
 if TYPE_CHECKING:
@@ -30,10 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    fields = report_json.start("status") if args.json else None
     tree, series = start_tree_command(args)
     report = tree_status(tree, series)
-    if args.json:
-        say(json.dumps(report.to_json(), indent=2))
+    if fields is not None:
+        report_json.attach(fields, tree, series.id)
+        fields.update(report.to_json())
     else:
         _print_tables(report, f"{series.id} on {tree.root} (vLLM {tree.version})")
     if report.interrupted:
@@ -44,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
                + ", ".join(report.conflicts))
         raise PatchConflict(msg, hint="restore them with `pip install --force-reinstall --no-deps "
                             f"vllm=={series.target_version}`, then `m3patch apply`")
+    if fields is not None:
+        report_json.finish(fields)
     return 0
 
 

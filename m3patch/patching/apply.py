@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from m3patch.errors import PatchConflict, TreeIOError, UsageError, VersionMismatch
 from m3patch.patching.diffs import safe_target
@@ -56,8 +56,18 @@ class ApplyReport:
     offsets: tuple[str, ...] = ()  # offset mode: one line per hunk that moved
     notes: tuple[str, ...] = ()  # journal recovery, version policy, ledger repairs
     deleted: tuple[str, ...] = ()  # the paths of files_written that were deleted
+    # offset mode, for --json: every hunk with its path, patch, line and offset
+    hunks: tuple[dict[str, Any], ...] = ()
     # the already-applied path read and hashed these; verify_tree(contents=...) reuses them
     contents: Contents | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The run's fields of the --json object (docs/json-schema.md)."""
+        done, other = ("reverted", "not_applied") if self.mode == Mode.REVERT else (
+            "applied", "already_applied")
+        return {"dry_run": self.dry_run, done: list(self.applied), other: list(self.already),
+                "files_written": list(self.files_written), "deleted": list(self.deleted),
+                "hunks": list(self.hunks), "notes": list(self.notes)}
 
     def summary(self) -> str:
         if self.mode == Mode.REVERT:
@@ -279,9 +289,13 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
     pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
     offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
                     for p in plans for pid, h in p.offsets if h.offset)
+    hunk_state = "pending" if dry_run else "applied"  # the probe's state is the one before the run
+    hunks = tuple({"path": p.path, **h.fields(pid), "state": hunk_state}
+                  for p in plans for pid, h in p.offsets)
     order = [p.id for p in series.patches if p.id in wanted]
     return ApplyReport(series_id=series.id, mode=mode, dry_run=dry_run,
                        applied=tuple(i for i in order if i in pending),
                        already=tuple(i for i in order if i not in pending),
                        files_written=tuple(p.path for p in plans), offsets=offsets,
-                       notes=tuple(notes), deleted=tuple(p.path for p in plans if p.post is None))
+                       notes=tuple(notes), deleted=tuple(p.path for p in plans if p.post is None),
+                       hunks=hunks)

@@ -46,6 +46,10 @@ class FileStatus:
     stage: int | None  # index into chain.hashes when the file equals a pinned image
     current: str | None
     hunks: tuple[tuple[str, hk.HunkState], ...]  # (patch id, state) when off every pin
+    # off every pin with no hunk in conflict (a change outside every hunk): the first line where
+    # the file differs from the pinned image its hunks point at, when a pristine copy was at hand
+    differs_at: int | None = None
+    differs_from: str = ""  # "pristine" | "post-image"
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,34 @@ def patch_states(chains: Sequence[Chain],
             for pid, s in seen.items()}
 
 
+def first_differing_line(a: bytes | None, b: bytes | None) -> int | None:
+    """1-based number of the first line where a and b differ; None when they are equal."""
+    left, right = to_lines(a), to_lines(b)
+    for number, (x, y) in enumerate(zip(left, right, strict=False), start=1):
+        if x != y:
+            return number
+    return None if len(left) == len(right) else min(len(left), len(right)) + 1
+
+
+def locate_drift(chain: Chain, status: FileStatus, data: bytes | None,
+                 pristine: bytes | None) -> FileStatus:
+    """Where a file off every pin, with no hunk in conflict, differs from the pinned image its
+    hunks point at (all applied: the post-image; all pending: the pristine file)."""
+    kinds = {h.state for _, h in status.hunks}
+    if status.stage is not None or data is None or pristine is None or not kinds or \
+            kinds - {hk.APPLIED, hk.PENDING} or len(kinds) != 1 or digest(pristine) != chain.hashes[0]:
+        return status
+    reference: bytes | None = pristine
+    if kinds == {hk.APPLIED}:
+        try:
+            reference = post_image(chain, 0, pristine).data
+        except PatchConflict:  # a stale lock: no reference to point at
+            return status
+    where = first_differing_line(reference, data)
+    origin = "post-image" if kinds == {hk.APPLIED} else "pristine"
+    return FileStatus(status.path, status.state, None, status.current, status.hunks, where, origin)
+
+
 def diagnosis(status: FileStatus) -> list[str]:
     """Human lines: the file's state, then each hunk's state and first differing line."""
     if status.state == FileState.MISSING:
@@ -199,4 +231,7 @@ def diagnosis(status: FileStatus) -> list[str]:
     for patch_id, h in status.hunks:
         tail = f": {h.detail}" if h.detail else ""
         out.append(f"  {patch_id} hunk {h.index} @ line {h.line}: {h.state}{tail}")
+    if status.differs_at is not None:
+        out.append(f"  outside every hunk: first differs from the {status.differs_from} file "
+                   f"at line {status.differs_at}")
     return out

@@ -21,6 +21,27 @@ class HunkState:
     line: int  # 1-based line probed in the current file
     detail: str  # first differing line for a conflict, else ""
     offset: int = 0  # lines away from the header's position (offset mode only)
+    # a conflict's first differing line: 1-based number, the hunk's line, the file's line (no
+    # line break, a \r kept so a CRLF file shows); None for other states
+    differs_at: int | None = None
+    expected: str | None = None
+    found: str | None = None
+
+    def fields(self, patch_id: str) -> dict[str, object]:
+        """The hunk's object in --json output (docs/json-schema.md)."""
+        return {"patch": patch_id, "hunk": self.index, "state": self.state, "line": self.line,
+                "offset": self.offset, "differs_at": self.differs_at,
+                "expected": self.expected, "found": self.found}
+
+
+def difference(lines: list[str], at: int, want: tuple[str, ...]) -> tuple[int, str, str] | None:
+    """(1-based line, expected, found) where `want` first differs from `lines` at `at`."""
+    for offset, expected in enumerate(want):
+        index = at + offset
+        found = lines[index] if 0 <= index < len(lines) else "<end of file>"
+        if found != expected:
+            return index + 1, expected.removesuffix("\n"), found.removesuffix("\n")
+    return None
 
 
 def to_lines(data: bytes | None) -> list[str]:
@@ -55,12 +76,11 @@ def _matches(lines: list[str], at: int, want: tuple[str, ...]) -> bool:
 
 def first_difference(lines: list[str], at: int, want: tuple[str, ...], path: str) -> str:
     """'path:LINE: expected X, found Y' for the first line where `want` differs at `at`."""
-    for offset, expected in enumerate(want):
-        index = at + offset
-        found = lines[index] if 0 <= index < len(lines) else "<end of file>"
-        if found != expected:
-            return f"{path}:{index + 1}: expected {expected.rstrip()!r}, found {found.rstrip()!r}"
-    return f"{path}:{at + 1}: lines match"
+    where = difference(lines, at, want)
+    if where is None:
+        return f"{path}:{at + 1}: lines match"
+    line, expected, found = where
+    return f"{path}:{line}: expected {expected!r}, found {found!r}"
 
 
 def probe(lines: list[str], hunks: tuple[Hunk, ...], path: str) -> tuple[HunkState, ...]:
@@ -80,7 +100,10 @@ def probe(lines: list[str], hunks: tuple[Hunk, ...], path: str) -> tuple[HunkSta
             states.append(HunkState(hunk.index, PENDING, at + 1, ""))
         else:
             detail = first_difference(lines, at, hunk.old_lines, path)
-            states.append(HunkState(hunk.index, CONFLICT, at + 1, detail))
+            where = difference(lines, at, hunk.old_lines)
+            line, expected, found = where if where is not None else (None, None, None)
+            states.append(HunkState(hunk.index, CONFLICT, at + 1, detail, differs_at=line,
+                                    expected=expected, found=found))
     return tuple(states)
 
 

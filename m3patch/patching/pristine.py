@@ -82,6 +82,16 @@ def _extract_checked(wheel: Path, dest: Path) -> int:
     return count
 
 
+def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
+    """A file of the cached pristine tree, or None when that tree is not cached (read-only
+    reports never download) or the file cannot be read."""
+    root = cache_root() / f"tree-{dist}-{version}"
+    try:
+        return (root / path).read_bytes() if (root / DONE_MARK).is_file() else None
+    except OSError:
+        return None
+
+
 def pristine_tree(version: str, dist: str = "vllm") -> Path:
     """Root (the directory containing `vllm/`) of a pristine extracted tree; cached."""
     root = cache_root() / f"tree-{dist}-{version}"

@@ -101,6 +101,13 @@ def ledger_view(snap: Snapshot) -> dict[str, engine.FileStatus]:
                                  hunks=())
             elif status.state != FileState.MISSING:
                 status = replace(status, state=FileState.MODIFIED)
+        if status.stage is None and status.state != FileState.MISSING:
+            # deferred: only a file off every pin needs them (never the already-applied path)
+            from m3patch.patching import engine
+            from m3patch.patching.pristine import cached_file
+
+            pristine = cached_file(snap.series.target_version, chain.path)
+            status = engine.locate_drift(chain, status, snap.contents[chain.path], pristine)
         view[chain.path] = status
     return view
 

@@ -50,3 +50,9 @@ class PatchState(TextEnum):
     CONFLICT = "conflict"
     UPSTREAM = "upstreamed"
     NO_FILES = "no files"
+
+
+def state_name(state: object) -> str:
+    """The stable --json name of a state: 'applied (offset)' -> 'applied-offset',
+    'modified after apply' -> 'modified-after-apply' (the human output keeps its words)."""
+    return "-".join(str(state).replace("(", " ").replace(")", " ").split())

@@ -7,7 +7,7 @@ act on a journal, holding the tree lock), so status works on a tree the user can
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
@@ -19,10 +19,7 @@ from m3patch.patching.snapshot import (
     read_and_classify,
     transaction_pending,
 )
-from m3patch.patching.states import FileState, PatchState
-
-if TYPE_CHECKING:
-    pass
+from m3patch.patching.states import FileState, PatchState, state_name
 
 CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM, FileState.MISSING,
                    FileState.MODIFIED)
@@ -43,9 +40,11 @@ class StatusReport:
         return tuple(f["path"] for f in self.files if f["state"] in CONFLICT_STATES)
 
     def to_json(self) -> dict[str, Any]:
-        return {"series": self.series_id, "vllm_version": self.vllm_version,
-                "patches": list(self.patches), "files": list(self.files), "notes": list(self.notes),
-                "conflicts": list(self.conflicts), "interrupted": self.interrupted}
+        """The status fields of the --json object; states as stable names without spaces."""
+        return {"patches": [{**p, "state": state_name(p["state"])} for p in self.patches],
+                "files": [{**f, "state": state_name(f["state"])} for f in self.files],
+                "notes": list(self.notes), "conflicts": list(self.conflicts),
+                "interrupted": self.interrupted}
 
 
 def tree_status(tree: VllmTree, series: Series) -> StatusReport:
@@ -61,7 +60,9 @@ def tree_status(tree: VllmTree, series: Series) -> StatusReport:
     files = tuple({"path": c.path, "state": str(statuses[c.path].state),
                    "patches": [s.patch_id for s in c.steps],
                    "sha256": statuses[c.path].current,
-                   "diagnosis": engine.diagnosis(statuses[c.path])[1:]}
+                   "diagnosis": engine.diagnosis(statuses[c.path])[1:],
+                   "hunks": [h.fields(pid) for pid, h in statuses[c.path].hunks],
+                   "differs_at": statuses[c.path].differs_at}
                   for c in snap.chains)
     rows = tuple({"id": p.id, "state": str(states.get(p.id, PatchState.NO_FILES)),
                   "summary": p.summary,

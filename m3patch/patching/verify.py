@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from m3patch.errors import VerifyFailed
 from m3patch.patching.locate import VllmTree, compile_with
@@ -27,7 +28,7 @@ from m3patch.patching.snapshot import (
     read_files,
     transaction_pending,
 )
-from m3patch.patching.states import Mode
+from m3patch.patching.states import Mode, state_name
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,27 @@ class VerifyReport:
     problems: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
     compiler: str = ""  # which interpreter compiled the patched .py files, and why that one
+    # per file off its pinned post-image: path, state, sha256 and per-hunk fields (for --json)
+    files: tuple[dict[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def problem_count(self) -> int:
+        """Problems, not lines: a file's hunk diagnosis lines (indented) belong to its line."""
+        return sum(1 for line in self.problems if not line.startswith(" "))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": list(self.checked), "problem_count": self.problem_count,
+                "problems": [line.strip() for line in self.problems], "files": list(self.files),
+                "notes": list(self.notes), "compiler": self.compiler}
+
     def raise_for_failure(self) -> None:
         if self.problems:
-            msg = f"{len(self.problems)} problem(s) in the patched tree:\n" + "\n".join(self.problems)
+            msg = (f"{self.problem_count} problem(s) in the patched tree:\n"
+                   + "\n".join(self.problems))
             raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
 
 
@@ -95,6 +109,7 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
     offset = {f.path: f.post for f in ledger.files} if (
         ledger is not None and ledger.mode == Mode.OFFSET) else {}
     off = [p for p, h in pins.hashes.items() if currents[p] != offset.get(p, h[-1])]
+    files = []
     if off:  # only now parse the patches: the diagnosis needs per-hunk probes
         from m3patch.patching import engine  # deferred: the already-applied path never needs it
 
@@ -103,7 +118,12 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
             status = view[path]
             problems.extend(engine.diagnosis(status) if status.stage is None else
                             [f"{path}: {status.state}, not the pinned post-image"])
+            files.append({"path": path, "state": state_name(status.state),
+                          "sha256": status.current,
+                          "hunks": [h.fields(pid) for pid, h in status.hunks],
+                          "differs_at": status.differs_at})
     who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
     notes = ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),
-                        problems=(*problems, *bad), notes=tuple(notes), compiler=who)
+                        problems=(*problems, *bad), notes=tuple(notes), compiler=who,
+                        files=tuple(files))

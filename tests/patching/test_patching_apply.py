@@ -94,7 +94,7 @@ def test_partially_applied_file_is_refused_and_diagnosed(
     status = m3patch_cli("status", "--json", "--vllm-root", str(vllm_tree),
                          "--series", str(test_series))
     files = {f["path"]: f for f in json.loads(status.stdout)["files"]}
-    assert files[LOGGER]["state"] == "partially applied"
+    assert files[LOGGER]["state"] == "partially-applied"
 
 
 def test_hand_edited_file_shows_first_differing_line(vllm_tree: Path, test_series: Path) -> None:
@@ -226,6 +226,6 @@ def test_an_offset_applied_tree_is_first_class(vllm_tree: Path, pristine_033: Pa
     status = m3patch_cli("status", "--json", *args)
     assert status.returncode == 0, status.stderr
     assert {f["path"]: f["state"] for f in json.loads(status.stdout)["files"]}[modelopt] == \
-        "applied (offset)"
+        "applied-offset"
     assert m3patch_cli("revert", *args).returncode == 0
     assert (vllm_tree / modelopt).read_bytes() == drifted

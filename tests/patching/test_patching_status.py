@@ -72,7 +72,7 @@ def test_offset_applied_tree_is_applied_not_drifted(
     code, out, err = status(m3patch_cli, vllm_tree, test_series, "--json")
     assert code == 0, err
     files = {f["path"]: f["state"] for f in json.loads(out)["files"]}
-    assert files[LOGGER] == "applied (offset)"
+    assert files[LOGGER] == "applied-offset"
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -158,7 +158,7 @@ def test_a_file_edited_after_apply_is_modified_not_upstreamed(
     code, out, err = status(m3patch_cli, vllm_tree, series, "--json")
     assert code == errors.PatchConflict.exit_code, err
     report = json.loads(out)
-    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "modified after apply"
+    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "modified-after-apply"
     tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
     assert tables["can_drop"] is False and tables["state"] == "conflict"
     assert not any("re-applies" in n for n in report["notes"])
