@@ -26,16 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
+    FIX_HINT,
     METRICS,
-    STATS,
     invalid,
     read_cell_file,
-    read_json_object,
     write_result,
 )
 from m3patch.errors import ResultsInvalid
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import read_json, write_bytes_atomic
 
 AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
@@ -56,7 +56,7 @@ INFERENCEX_FIELDS = ("conc", "hw", "model", "framework", "precision", "spec_deco
                      "disagg", "is_multinode")
 # The single-node server m3patch starts is always vLLM, never disaggregated, never multi-node.
 FRAMEWORK = "vllm"
-DECODE_FIELDS = (*(f"{stat}_tpot" for stat in STATS), *ITL_FIELDS, *INTVTY_FIELDS)
+DECODE_FIELDS = (*(f"{stat}_tpot" for stat in ALL_STATS), *ITL_FIELDS, *INTVTY_FIELDS)
 NA_FIELDS = ("decode_na", "decode_na_reason")
 # The floor under which a per-token time is not a decode rate. One decode step through vLLM's
 # API server costs at least about a millisecond on any hardware m3patch targets (scheduler,
@@ -203,9 +203,18 @@ def write_aggregate(
 
 
 def load_aggregate(path: Path) -> dict[str, Any]:
-    """An aggregate.json, or a run folder holding one; rows checked for the keys compare uses."""
+    """An aggregate.json, or a run folder holding one, or an InferenceX result row (or array of
+    rows) read as one; rows checked for the keys compare uses."""
     file = path / AGGREGATE_JSON if path.is_dir() else path
-    data = read_json_object(file)
+    raw = read_json(file, error=ResultsInvalid, hint=FIX_HINT)
+    if is_inferencex(raw):
+        data = inferencex_aggregate(raw, file)
+        for index, row in enumerate(data["rows"]):
+            _check_row(row, f"rows[{index}]", file)
+        return data
+    if not isinstance(raw, dict):
+        raise invalid(file, None, f"expected an m3patch aggregate (an object), or {SOURCE_HINT}")
+    data = raw
     if data.get("schema") != AGGREGATE_SCHEMA:
         raise invalid(file, "schema", f"expected {AGGREGATE_SCHEMA}, got {data.get('schema')!r}")
     rows = data.get("rows")
@@ -232,7 +241,8 @@ def _check_row(row: object, where: str, file: Path) -> None:
         if not isinstance(row[key], str):
             raise invalid(file, f"{where}.{key}", f"expected a string, got {row[key]!r}")
     ratio = row["range_ratio"]
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+    # null: an InferenceX row, which does not record its length distribution.
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
         raise invalid(file, f"{where}.range_ratio", f"expected a number, got {ratio!r}")
     tput = row["tput_per_gpu"]
     if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:

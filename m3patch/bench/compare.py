@@ -75,6 +75,8 @@ def seq_label(row: dict[str, Any]) -> str:
 
 def describe(row: dict[str, Any]) -> str:
     ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
+    if row.get("range_ratio") is None:
+        ratio = " InferenceX lengths"
     return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 

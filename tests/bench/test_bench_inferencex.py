@@ -16,6 +16,7 @@ from m3patch.bench.aggregate import cell_row, load_aggregate
 from m3patch.bench.cells import Cell, Parallelism, SeqLen
 from m3patch.bench.results import cell_document, check_vllm_result, read_json_object
 from m3patch.errors import ResultsInvalid
+from m3patch.main import main
 
 DATA = Path(__file__).parents[1] / "data" / "bench"
 INFERENCEX_ROW = DATA / "inferencex" / "agg_isl32-osl16-c4.json"
@@ -85,3 +86,49 @@ def test_an_aggregate_written_before_these_fields_still_loads() -> None:
     rows = load_aggregate(DATA / "aggregate-before-inferencex-fields.json")["rows"]
     assert "conc" not in rows[0] and "mean_tpot" not in rows[0]
     assert [row["concurrency"] for row in rows] == [1, 2, 4]
+
+
+def test_compare_takes_an_inferencex_row_as_either_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row = json.loads(INFERENCEX_ROW.read_text())
+    faster = {**row, "tput_per_gpu": row["tput_per_gpu"] * 1.1, "p99_ttft": row["p99_ttft"] / 2}
+    rows_file = tmp_path / "rows.json"
+    rows_file.write_text(json.dumps([faster, {**faster, "conc": 8}]))
+    out = tmp_path / "cmp.json"
+    assert main(["bench", "compare", str(INFERENCEX_ROW), str(rows_file), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    [cell] = result["compared"]
+    assert cell["concurrency"] == 4 and cell["change_pct"] == pytest.approx(10.0)
+    assert [u["reason"] for u in result["not_compared"]] == ["new only"]
+    assert main(["bench", "compare", str(rows_file), str(INFERENCEX_ROW), "--metric", "p99_ttft",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["compared"][0]["change_pct"] == pytest.approx(100.0)
+    assert "InferenceX cpu vllm fp32" in capsys.readouterr().out
+
+
+def test_an_inferencex_row_beside_an_m3patch_run_is_another_workload(tmp_path: Path) -> None:
+    # The row does not record its length distribution, so it is never given a change figure
+    # against an m3patch cell, even at the same ISL/OSL, parallelism and concurrency.
+    out = tmp_path / "cmp.json"
+    assert main(["bench", "compare", str(DATA / "runs" / "base"), str(INFERENCEX_ROW),
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compared"] == []
+    differs = [u for u in result["not_compared"] if u["reason"] == "shape differs"]
+    assert len(differs) == 1 and "InferenceX lengths" in differs[0]["detail"]
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"is_multinode": True}, "key 'is_multinode': a multi-node or disaggregated row"),
+    ({"dp_attention": "maybe"}, "key 'dp_attention': expected true or false, got 'maybe'"),
+    ({"conc": 0}, "key 'conc': expected a positive integer, got 0"),
+    ({"isl": "1k"}, "key 'isl': expected a positive integer, got '1k'"),
+])
+def test_a_malformed_inferencex_row_exits_17_naming_the_key(
+    change: dict[str, object], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "agg_bad.json"
+    bad.write_text(json.dumps({**json.loads(INFERENCEX_ROW.read_text()), **change}))
+    assert main(["bench", "compare", str(INFERENCEX_ROW), str(bad)]) == 17
+    assert needle in capsys.readouterr().err
