@@ -3,7 +3,12 @@
 Field names follow InferenceX's utils/process_result.py so its readers work unchanged:
 tput_per_gpu = total_token_throughput / gpu_count, output_tput_per_gpu, input_tput_per_gpu
 (total - output), latencies in seconds without the `_ms` suffix (median_ttft, p99_tpot, ...),
-and interactivity `<stat>_intvty` = 1000 / <stat>_tpot_ms (tokens/s seen by one user).
+and interactivity `<stat>_intvty` = 1000 / <stat>_tpot_ms (tokens/s seen by one user). Each
+row also carries InferenceX's row keys (`conc`, `hw`, `framework`, `precision`, `spec_decoding`,
+`model`, `disagg`, `is_multinode`) beside m3patch's own (`concurrency`, the provenance
+fields); a value m3patch does not know is null, never guessed. docs/inferencex-fields.md maps
+every field. Statistics a recorded cell file lacks (mean, std, p99.9 before they were requested)
+are null.
 
 Decode figures are only kept when the client could time the decode. When the tokens reached it
 in one burst (median TPOT under BURST_FLOOR_MS) TPOT, ITL and interactivity are null, with
@@ -21,16 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
+    FIX_HINT,
     METRICS,
-    STATS,
     invalid,
     read_cell_file,
-    read_json_object,
     write_result,
 )
 from m3patch.errors import ResultsInvalid
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import read_json, write_bytes_atomic
 
 AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
@@ -39,10 +44,19 @@ CELLS_DIR = "cells"
 KEY_FIELDS = ("cell_id", "isl", "osl", "range_ratio", "concurrency", "tp", "pp", "ep", "dp",
               "dp_attention", "gpu_count", "parallelism")
 PROVENANCE_FIELDS = ("recipe_name", "recipe_sha256", "series", "image", "vllm_version")
-LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in STATS)
-INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in STATS)
-ITL_FIELDS = tuple(f"{stat}_itl" for stat in STATS)
-DECODE_FIELDS = (*(f"{stat}_tpot" for stat in STATS), *ITL_FIELDS, *INTVTY_FIELDS)
+ALL_STATS = ("mean", "median", "std", "p90", "p99", "p99.9")
+LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in ALL_STATS)
+# No std_intvty: 1000 / std(TPOT) is not a statistic of tokens/s per user.
+INTVTY_STATS = tuple(stat for stat in ALL_STATS if stat != "std")
+INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in INTVTY_STATS)
+ITL_FIELDS = tuple(f"{stat}_itl" for stat in ALL_STATS)
+# InferenceX's row keys that m3patch's own names do not already cover (utils/process_result.py).
+# `image` is one of them too, already in the provenance fields.
+INFERENCEX_FIELDS = ("conc", "hw", "model", "framework", "precision", "spec_decoding",
+                     "disagg", "is_multinode")
+# The single-node server m3patch starts is always vLLM, never disaggregated, never multi-node.
+FRAMEWORK = "vllm"
+DECODE_FIELDS = (*(f"{stat}_tpot" for stat in ALL_STATS), *ITL_FIELDS, *INTVTY_FIELDS)
 NA_FIELDS = ("decode_na", "decode_na_reason")
 # The floor under which a per-token time is not a decode rate. One decode step through vLLM's
 # API server costs at least about a millisecond on any hardware m3patch targets (scheduler,
@@ -52,7 +66,7 @@ NA_FIELDS = ("decode_na", "decode_na_reason")
 # one read: the figure measures that buffering, not the model, so it is reported as n/a.
 BURST_FLOOR_MS = 0.1
 COLUMNS = (
-    *KEY_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
+    *KEY_FIELDS, *INFERENCEX_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
     "output_throughput", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",
     *LATENCY_FIELDS, *INTVTY_FIELDS, *NA_FIELDS,
 )  # fmt: skip
@@ -71,17 +85,34 @@ def cell_row(data: dict[str, Any]) -> dict[str, Any]:
         tput_per_gpu=total / gpus, output_tput_per_gpu=output / gpus,
         input_tput_per_gpu=(total - output) / gpus,
     )  # fmt: skip
+    row.update(inferencex_fields(data, cell, prov))
     for field in LATENCY_FIELDS:
-        row[field] = data[f"{field}_ms"] / 1000.0
-    for stat in STATS:
-        tpot_ms = data[f"{stat}_tpot_ms"]
+        value = data.get(f"{field}_ms")
+        row[field] = None if value is None else value / 1000.0
+    for stat in INTVTY_STATS:
+        tpot_ms = data.get(f"{stat}_tpot_ms")
         # osl=1 has no decode step: TPOT is 0 and interactivity is undefined, not infinite.
-        row[f"{stat}_intvty"] = 1000.0 / tpot_ms if tpot_ms > 0 else None
+        row[f"{stat}_intvty"] = 1000.0 / tpot_ms if tpot_ms else None
     tag, reason = decode_na(data, cell.get("osl"))
     row.update(decode_na=tag, decode_na_reason=reason)
     if tag is not None:
         row.update(dict.fromkeys(DECODE_FIELDS if tag == "burst" else ITL_FIELDS))
     return row
+
+
+def inferencex_fields(
+    data: dict[str, Any], cell: dict[str, Any], prov: dict[str, Any]
+) -> dict[str, Any]:
+    """InferenceX's own row keys for one cell (pure). hw, precision and spec_decoding are taken
+    from the provenance only when it states them: a platform such as `rocm-gfx942` is not an
+    InferenceX runner name, so it is not translated into one."""
+    model = data.get("model_id")
+    return {
+        "conc": cell.get("concurrency"), "hw": prov.get("hw"),
+        "model": model if isinstance(model, str) else None,
+        "framework": FRAMEWORK, "precision": prov.get("precision"),
+        "spec_decoding": prov.get("spec_decoding"), "disagg": False, "is_multinode": False,
+    }  # fmt: skip
 
 
 def decode_na(data: dict[str, Any], osl: object) -> tuple[str | None, str | None]:
@@ -172,9 +203,18 @@ def write_aggregate(
 
 
 def load_aggregate(path: Path) -> dict[str, Any]:
-    """An aggregate.json, or a run folder holding one; rows checked for the keys compare uses."""
+    """An aggregate.json, or a run folder holding one, or an InferenceX result row (or array of
+    rows) read as one; rows checked for the keys compare uses."""
     file = path / AGGREGATE_JSON if path.is_dir() else path
-    data = read_json_object(file)
+    raw = read_json(file, error=ResultsInvalid, hint=FIX_HINT)
+    if is_inferencex(raw):
+        data = inferencex_aggregate(raw, file)
+        for index, row in enumerate(data["rows"]):
+            _check_row(row, f"rows[{index}]", file)
+        return data
+    if not isinstance(raw, dict):
+        raise invalid(file, None, f"expected an m3patch aggregate (an object), or {SOURCE_HINT}")
+    data = raw
     if data.get("schema") != AGGREGATE_SCHEMA:
         raise invalid(file, "schema", f"expected {AGGREGATE_SCHEMA}, got {data.get('schema')!r}")
     rows = data.get("rows")
@@ -201,7 +241,8 @@ def _check_row(row: object, where: str, file: Path) -> None:
         if not isinstance(row[key], str):
             raise invalid(file, f"{where}.{key}", f"expected a string, got {row[key]!r}")
     ratio = row["range_ratio"]
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+    # null: an InferenceX row, which does not record its length distribution.
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
         raise invalid(file, f"{where}.range_ratio", f"expected a number, got {ratio!r}")
     tput = row["tput_per_gpu"]
     if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:

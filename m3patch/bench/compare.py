@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from m3patch.bench.aggregate import ALL_STATS, INTVTY_STATS
+from m3patch.bench.results import METRICS
+
 # range_ratio too: another length distribution is another workload, not a speedup.
 SHAPE_FIELDS = ("isl", "osl", "range_ratio", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count")
 DEFAULT_METRIC = "tput_per_gpu"
@@ -21,7 +24,10 @@ METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
     "output_tput_per_gpu": "output tok/s/GPU",
     "input_tput_per_gpu": "input tok/s/GPU",
-    "median_intvty": "median tok/s/user",
+    **{f"{stat}_intvty": f"{stat} tok/s/user" for stat in INTVTY_STATS},
+    # Latencies: a positive change is slower, so the label says which way is better.
+    **{f"{stat}_{metric}": f"{stat} {metric.upper()} s (lower is better)"
+       for metric in METRICS for stat in ALL_STATS},
 }
 
 
@@ -69,6 +75,8 @@ def seq_label(row: dict[str, Any]) -> str:
 
 def describe(row: dict[str, Any]) -> str:
     ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
+    if row.get("range_ratio") is None:
+        ratio = " InferenceX lengths"
     return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 

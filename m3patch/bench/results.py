@@ -18,13 +18,18 @@ from m3patch.fsio import read_json, write_json_atomic
 
 CELL_SCHEMA = 1
 METRICS = ("ttft", "tpot", "itl", "e2el")
+# Required in every per-cell file (vLLM always writes median_*; p90/p99 were requested by every
+# m3patch version). The optional ones were added later (mean/std are always written by vLLM 0.33,
+# p99.9 only when requested): a recorded file without them still loads, their fields null.
 STATS = ("median", "p90", "p99")
+OPTIONAL_STATS = ("mean", "std", "p99.9")
 COUNT_KEYS = ("completed", "failed", "num_prompts")
 NUMBER_KEYS = (
     "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
     "output_throughput", "total_token_throughput",
     *(f"{stat}_{metric}_ms" for metric in METRICS for stat in STATS),
 )  # fmt: skip
+OPTIONAL_KEYS = tuple(f"{stat}_{metric}_ms" for metric in METRICS for stat in OPTIONAL_STATS)
 FIX_HINT = "rerun the cell: m3patch bench RECIPE --resume (it re-measures invalid cells)"
 
 
@@ -63,6 +68,9 @@ def check_vllm_result(data: dict[str, Any], where: Path | str) -> None:
         count(data, key, where)
     for key in NUMBER_KEYS:
         number(data, key, where)
+    for key in OPTIONAL_KEYS:
+        if key in data:
+            number(data, key, where)
 
 
 def cell_failures(data: dict[str, Any], cell: Cell) -> list[str]:

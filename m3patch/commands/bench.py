@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from m3patch.run.pipeline import RunSpec
 
 COMPARE = "compare"
-METRICS = ("tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu", "median_intvty")
+METRICS = tuple(cmp.METRIC_LABELS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--seed", type=int, default=0, help="random dataset seed (default 0)")
     sweep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     comp = parser.add_argument_group("compare (m3patch bench compare BASE NEW)")
-    comp.add_argument("--metric", choices=METRICS, default="tput_per_gpu",
-                      help="value compared per cell (default: total tok/s/GPU)")
+    comp.add_argument("--metric", choices=METRICS, default="tput_per_gpu", metavar="METRIC",
+                      help="value compared per cell: a throughput per GPU, <stat>_intvty, or "
+                           "<stat>_<ttft|tpot|itl|e2el> in seconds, <stat> one of mean, median, "
+                           "std, p90, p99, p99.9 (default: tput_per_gpu, total tok/s/GPU)")
     comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
     comp.add_argument("--json", type=Path, metavar="FILE", help="also write the comparison as JSON")
 

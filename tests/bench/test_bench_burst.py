@@ -47,7 +47,10 @@ def test_clumped_tokens_drop_only_the_itl_figures() -> None:
 def test_streamed_cells_keep_every_figure() -> None:
     row = _row("base", 2)
     assert row["decode_na"] is None and row["decode_na_reason"] is None
-    assert all(row[f] is not None for f in DECODE_FIELDS)
+    # Recorded before p99.9 was requested: those figures are null, every other one is kept.
+    missing = {f for f in DECODE_FIELDS if f.startswith("p99.9_")}
+    assert missing and all(row[f] is None for f in missing)
+    assert all(row[f] is not None for f in DECODE_FIELDS if f not in missing)
     assert row["median_itl"] * 1000 >= BURST_FLOOR_MS
 
 

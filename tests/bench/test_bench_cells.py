@@ -94,7 +94,7 @@ def test_bench_argv_has_every_inferencex_flag(tmp_path: Path) -> None:
         "--tokenizer": "/m/tiny", "--dataset-name": "random", "--random-input-len": "1024",
         "--random-output-len": "128", "--random-range-ratio": "0.8", "--num-prompts": "160",
         "--num-warmups": "32", "--max-concurrency": "16", "--request-rate": "inf",
-        "--percentile-metrics": "ttft,tpot,itl,e2el", "--metric-percentiles": "50,90,99",
+        "--percentile-metrics": "ttft,tpot,itl,e2el", "--metric-percentiles": "90,99,99.9",
         "--result-dir": str(tmp_path), "--result-filename": "c16.json", "--seed": "7",
     }
     for flag, value in expected.items():

@@ -136,3 +136,38 @@ def test_a_missing_run_folder_exits_17(tmp_path: Path, capsys: pytest.CaptureFix
 def test_compare_needs_exactly_two_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "compare", str(RUNS / "base")]) == 2
     assert "takes BASE and NEW" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metric", ["median_ttft", "p99_tpot", "mean_itl", "p90_e2el", "mean_intvty"])
+def test_cli_compare_any_latency_metric(
+    metric: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cmp.json"
+    assert main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"), "--metric", metric,
+                 "--json", str(out)]) == 0
+    base = {r["concurrency"]: r[metric] for r in load_aggregate(RUNS / "base")["rows"]}
+    new = {r["concurrency"]: r[metric] for r in load_aggregate(RUNS / "new")["rows"]}
+    result = json.loads(out.read_text())
+    assert result["metric"] == metric
+    for cell in result["compared"]:
+        assert (cell["base"], cell["new"]) == (base[cell["concurrency"]], new[cell["concurrency"]])
+        if cell["base"] is not None and cell["new"] is not None:
+            assert cell["change_pct"] == pytest.approx((cell["new"] / cell["base"] - 1) * 100)
+    if not metric.endswith("intvty"):
+        assert "lower is better" in capsys.readouterr().out
+
+
+def test_a_statistic_the_runs_never_measured_is_never_compared(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Both runs were recorded with percentiles 50,90,99: p99.9 is null on both sides.
+    assert main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"),
+                 "--metric", "p99.9_ttft"]) == 0
+    assert "none with p99.9 TTFT s (lower is better) measured on both sides" in capsys.readouterr().out
+
+
+def test_an_unknown_metric_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"), "--metric", "p95_ttft"])
+    assert exit_info.value.code == 2
+    assert "p95_ttft" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""InferenceX result rows read as aggregate rows, so `bench compare` takes one as either side.
+
+InferenceX's aggregation step writes one row per job, `agg_<name>.json` (format and source:
+docs/inferencex-fields.md); a collection of them is a JSON array of such rows. Only single-node
+rows are read: a multi-node row's prefill/decode split has no m3patch shape to be compared with.
+Rows are validated like any file the tool reads back; the first problem names the file and key.
+
+An InferenceX row does not record its length distribution, so its `range_ratio` is null: it is
+compared with other InferenceX rows, and listed as another shape beside an m3patch run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from m3patch.bench.cells import Parallelism
+from m3patch.bench.results import invalid
+
+SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them (docs/inferencex-fields.md)"
+# Keys that mark an object as an InferenceX row rather than an m3patch aggregate.
+SIGNATURE = ("conc", "hw", "tput_per_gpu")
+INTEGER_KEYS = ("conc", "isl", "osl", "tp", "ep")
+
+
+def is_inferencex(data: object) -> bool:
+    """An InferenceX row or a non-empty array of objects (m3patch aggregates carry `schema`)."""
+    if isinstance(data, list):
+        return bool(data) and all(isinstance(item, dict) for item in data)
+    return isinstance(data, dict) and "schema" not in data and all(k in data for k in SIGNATURE)
+
+
+def inferencex_aggregate(data: dict[str, Any] | list[Any], file: Path) -> dict[str, Any]:
+    """An aggregate (schema-less: meta + rows) from one InferenceX row or an array of them."""
+    items = data if isinstance(data, list) else [data]
+    rows = [row_of(item, f"[{index}]" if isinstance(data, list) else "", file)
+            for index, item in enumerate(items)]
+    first = items[0]
+    title = " ".join(str(first.get(key)) for key in ("hw", "framework", "precision") if first.get(key))
+    return {"recipe_name": f"InferenceX {title}".strip(), "series": None, "rows": rows}
+
+
+def row_of(item: dict[str, Any], where: str, file: Path) -> dict[str, Any]:
+    """One m3patch-shaped row: InferenceX's keys kept, m3patch's shape keys added (pure)."""
+    at = f"{where}." if where else ""
+    if item.get("is_multinode") is True or item.get("disagg") is True:
+        raise invalid(file, f"{at}is_multinode", "a multi-node or disaggregated row has no "
+                      "single-node shape to compare; give a single-node row")
+    values = {key: _integer(item, key, f"{at}{key}", file) for key in INTEGER_KEYS}
+    par = Parallelism(tp=values["tp"], ep=values["ep"],
+                      dp_attention=_flag(item.get("dp_attention"), f"{at}dp_attention", file))
+    return {
+        **item, "isl": values["isl"], "osl": values["osl"], "tp": par.tp, "ep": par.ep,
+        "pp": par.pp, "dp": par.dp, "dp_attention": par.dp_attention, "range_ratio": None,
+        "concurrency": values["conc"], "gpu_count": par.tp, "parallelism": par.label,
+        "cell_id": f"inferencex-isl{values['isl']}-osl{values['osl']}-{par.slug}-c{values['conc']}",
+    }  # fmt: skip
+
+
+def _integer(item: dict[str, Any], key: str, where: str, file: Path) -> int:
+    """A positive integer; InferenceX writes isl/osl from the environment, so "1024" is accepted."""
+    value = item.get(key)
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(file, where, f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _flag(value: object, where: str, file: Path) -> bool:
+    """InferenceX copies DP_ATTENTION from the environment: "true"/"false", or a JSON bool."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise invalid(file, where, f"expected true or false, got {value!r}")
