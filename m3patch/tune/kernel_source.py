@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import TreeIOError, VllmNotFound
+from m3patch.fsio import write_bytes_atomic
 
 KERNEL_NAME = "fused_moe_kernel"
 FUSED_MOE_RELPATH = Path("vllm/model_executor/layers/fused_moe/fused_moe.py")
@@ -89,10 +90,7 @@ def _kernel_cache_dir() -> Path:
 
 def _write_new(path: Path, text: str) -> None:
     """Write by rename so a concurrent reader never sees half a module."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    staging.replace(path)
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def load_from_source(tree: Path) -> KernelSource:

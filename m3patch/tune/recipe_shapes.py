@@ -10,13 +10,13 @@ fusion adds the shared experts to the local ones and is off with EP.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from m3patch.errors import UsageError
+from m3patch.fsio import read_json
 from m3patch.recipe.loader import Recipe
 from m3patch.tune.shapes import MoEShape, shapes_from_model_config
 
@@ -94,14 +94,8 @@ def model_config_path(recipe: Recipe, override: Path | None) -> Path:
 
 
 def read_model_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{path}: cannot read a JSON model config ({exc})"
-        raise UsageError(msg, hint="pass the model's config.json with --model-config") from exc
-    if not isinstance(config, dict):
-        msg = f"{path}: a model config must be a JSON object"
-        raise UsageError(msg, hint="pass the model's config.json with --model-config")
+    config: dict[str, Any] = read_json(path, error=UsageError, expect=dict,
+                                       hint="pass the model's config.json with --model-config")
     return config
 
 

@@ -8,14 +8,13 @@ lookup never asks for.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from m3patch.errors import ResultsInvalid
-from m3patch.fsio import write_json_atomic
+from m3patch.fsio import read_json, write_json_atomic
 from m3patch.tune.judge import JUDGE_RULE, Judgement
 from m3patch.tune.routing import ROUTING_DENSE, ROUTING_EP
 from m3patch.tune.space import TileConfig
@@ -100,14 +99,8 @@ def write_table(out_dir: Path, file_name: str, best: Mapping[int, TileConfig],
 
 def read_table(path: Path) -> dict[int, TileConfig]:
     """Load a table the way vLLM does (drop triton_version, int keys) and validate entries."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{path}: not a readable JSON table ({exc})"
-        raise ResultsInvalid(msg, hint="re-run `m3patch tune` to regenerate it") from exc
-    if not isinstance(raw, dict):
-        msg = f"{path}: a table must be a JSON object"
-        raise ResultsInvalid(msg, hint="re-run `m3patch tune` to regenerate it")
+    raw: dict[str, Any] = read_json(path, error=ResultsInvalid, expect=dict,
+                                    hint="re-run `m3patch tune` to regenerate it")
     raw.pop("triton_version", None)
     table: dict[int, TileConfig] = {}
     for key, entry in raw.items():
