@@ -13,14 +13,7 @@ OUT=${OUT:-$PWD/bench-judged-out}
 TABLES=$1
 CARRY=${2:-.devcarry}
 RES=/tmp/res
-mkdir -p "$OUT" "$RES"
-log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$RES/run.log"; }
-pack() { tar -C /tmp -cf "$OUT/results.tar" res; cp "$RES/run.log" "$OUT/run.log"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  date -u +%Y-%m-%dT%H:%M:%SZ; cat COMMIT 2>/dev/null || echo "commit unknown"
-  } > "$RES/env.txt" 2>&1
-cat "$RES/env.txt"
+source "$(dirname "$0")/device_preamble.sh"
 EP8="$TABLES/E=16,N=3072,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
 TP8="$TABLES/E=128,N=384,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
 check() {  # name table extra-args...

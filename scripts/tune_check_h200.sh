@@ -22,14 +22,8 @@ CARRY=${1:-.devcarry}
 BUDGET=${2:-200}
 END=${3:-540}
 RES=/tmp/res
-mkdir -p "$OUT" "$RES" /tmp/shipped
-log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$RES/run.log"; }
-pack() { tar -C /tmp -cf "$OUT/results.tar" res; cp "$RES/run.log" "$OUT/run.log"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  date -u +%Y-%m-%dT%H:%M:%SZ; cat COMMIT 2>/dev/null || echo "commit unknown"
-  } > "$RES/env.txt" 2>&1
-cat "$RES/env.txt"
+mkdir -p /tmp/shipped
+source "$(dirname "$0")/device_preamble.sh"
 
 log "stage 1: GPU tests"
 M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q \
