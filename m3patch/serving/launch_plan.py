@@ -99,21 +99,14 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
     return LaunchPlan(spec, tuple(overrides.items()), all_markers(recipe, ledger_sha256), hint)
 
 
-def check_model(recipe: Recipe) -> None:
-    """Model, draft and tokenizer on disk (local folder or HF cache at the pin), else exit 19."""
-    require_present(recipe)
-
-
 def ensure_tree(recipe: Recipe, python: str) -> EnsuredTree:
     """The tree `python` imports, made exactly the recipe's series and verified."""
-
     return ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
-    """Check the model, apply and verify the series; the ledger's sha256 hex."""
-
-    check_model(recipe)
+    """Check the model (before the tree changes), apply and verify; the ledger's sha256 hex."""
+    require_present(recipe)
     ensured = ensure_tree(recipe, python)
     info(ensured.report.summary().removeprefix("m3patch: "))
     return ensured.ledger_sha256

@@ -33,7 +33,7 @@ from m3patch.fsio import write_json_atomic
 from m3patch.markers import MarkerChecker
 from m3patch.output import warn
 from m3patch.recipe.loader import Recipe
-from m3patch.serving.launch_plan import LaunchPlan, check_model, plan_launch, prepare_tree
+from m3patch.serving.launch_plan import LaunchPlan, plan_launch, prepare_tree
 from m3patch.serving.supervisor import Supervisor
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -99,8 +99,7 @@ class ServeSession:
     def _ledger(self) -> str:
         if self.verified_ledger is None:
             return prepare_tree(self.recipe, self.python)
-        check_model(self.recipe)
-        return self.verified_ledger
+        return self.verified_ledger  # the caller checked the model before it ensured the tree
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
