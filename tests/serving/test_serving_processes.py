@@ -30,8 +30,9 @@ time.sleep(600)
 
 
 def _start(script: str, log: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60  # generous: the machine may be busy with a real server
     while time.monotonic() < deadline and not (
             "ready" in log.read_text() and len(group_members(proc.pid)) == 2):
