@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from m3patch.errors import PatchConflict, TreeIOError, UsageError, VersionMismatch
+from m3patch.errors import PatchConflict, TreeIOError, UsageError
 from m3patch.patching.diffs import safe_target
 from m3patch.patching.ledger import (
     Ledger,
@@ -25,12 +25,14 @@ from m3patch.patching.ledger import (
     read_ledger,
     state_dir,
 )
-from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import Pinned, load_patches, pinned
 from m3patch.patching.snapshot import (
     Contents,
     Snapshot,
+    Target,
+    check_series_target,
     current_hashes,
     ledger_view,
     read_and_classify,
@@ -109,15 +111,6 @@ def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
     raise PatchConflict(msg, hint=hint)
 
 
-def _version_note(tree: VllmTree, series: Series, mode: Mode) -> str:
-    try:
-        return check_target(tree, series.target_version, series.target_commit)
-    except VersionMismatch as exc:
-        if mode != Mode.OFFSET:
-            raise
-        return f"offset mode: {exc.message}"
-
-
 def _selected(snap: Snapshot, only: Iterable[str] | None) -> tuple[engine.Chain, ...]:
     if not only:
         return snap.chains
@@ -160,7 +153,7 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
     return plans
 
 
-def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, note: str,
+def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
                 plans: list[engine.FilePlan], made: Mapping[str, tuple[str, ...]]) -> Ledger:
     planned = {p.path: p for p in plans}
     old = {f.path: f for f in snap.ledger.files} if snap.ledger else {}
@@ -180,8 +173,8 @@ def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, note: str,
     patches = tuple(p.id for p in snap.series.patches
                     if all(c.path in done for c in snap.chains
                            if any(s.patch_id == p.id for s in c.steps)))
-    return new_ledger(series=snap.series.id, mode=mode, vllm_version=tree.version,
-                      vllm_commit=tree.commit, version_note=note, patches=patches,
+    return new_ledger(series=snap.series.id, mode=mode, vllm_version=target.version,
+                      vllm_commit=target.commit, version_note=target.note, patches=patches,
                       files=tuple(files))
 
 
@@ -209,7 +202,7 @@ def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tup
     return made
 
 
-def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
+def _already_applied(tree: VllmTree, pins: Pinned, version: str, dry_run: bool,
                      notes: list[str]) -> ApplyReport | None:
     """The common case, decided without the lock or any patch parsed: no journal, a ledger of
     this series, and every file equal to the post-image it records (the final pin, or after
@@ -226,7 +219,7 @@ def _already_applied(tree: VllmTree, pins: Pinned, dry_run: bool,
         return None
     ids = tuple(p.id for p in series.patches)
     if ledger is None or (ledger.series, ledger.patches, ledger.vllm_version) != (
-            series.id, ids, tree.version):
+            series.id, ids, version):
         return None
     recorded = {f.path: (f.pre, f.post) for f in ledger.files}
     if recorded.keys() != pins.hashes.keys():
@@ -264,11 +257,11 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         msg = f"unknown mode {mode!r}"
         raise UsageError(msg, hint="use mode='strict' or mode='offset'")
     mode = Mode(mode)
-    note = _version_note(tree, series, mode)
     pins = pinned(series)
-    notes = [] if note == f"{tree.version} accepted" else [note]
+    target = check_series_target(tree, series, pins.hashes, mode)
+    notes = [] if target.plain else [target.note]
     if not only and mode == Mode.STRICT:
-        done = _already_applied(tree, pins, dry_run, notes)
+        done = _already_applied(tree, pins, target.version, dry_run, notes)
         if done is not None:
             return done
     patches = load_patches(series, pins.raw)
@@ -278,7 +271,7 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         chains = _selected(snap, only)
         plans = _plan(snap, chains, mode)
         made = _missing_dirs(tree, plans)
-        ledger = _ledger_for(snap, tree, mode, note, plans, made)
+        ledger = _ledger_for(snap, tree, mode, target, plans, made)
         if not dry_run and (plans or not _same(snap.ledger, ledger)):
             if not plans:
                 notes.append("files already patched; the ledger was missing or stale: rewritten")

@@ -177,11 +177,25 @@ def _commit_matches(a: str | None, b: str | None) -> bool:
     return size >= 7 and a[:size] == b[:size]
 
 
+def _release(version: str) -> tuple[int, ...]:
+    match = _VERSION_RE.match(version)
+    return tuple(int(p) for p in match.group(1).split(".")) if match else ()
+
+
+def version_hint(installed: str, target: str) -> str:
+    """Point at the series for the installed version; suggest installing the target only when
+    it is newer (m3patch never advises a downgrade of the vLLM a user chose)."""
+    hint = f"use the series for vLLM {installed} (--series patches/vllm-{installed})"
+    if _release(target) > _release(installed):
+        hint += f", or upgrade: pip install vllm=={target}"
+    return hint
+
+
 def check_target(tree: VllmTree, target_version: str, target_commit: str | None) -> str:
     """Apply the module's version policy; returns a note for the ledger, raises VersionMismatch."""
     match = _VERSION_RE.match(tree.version)
     base, extra, local = (match.group(1), match.group(2), match.group(3)) if match else ("", "", None)
-    hint = f"use the series for vLLM {tree.version}, or install vllm=={target_version}"
+    hint = version_hint(base or tree.version, target_version)
     where = f"{tree.package_dir}/_version.py"
     if extra:  # dev/rc/post: only a commit pin identifies it
         if _commit_matches(tree.commit, target_commit):

@@ -15,8 +15,8 @@ from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import file_digest
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
-from m3patch.patching.series_lock import load_patches
-from m3patch.patching.snapshot import Snapshot, read_and_classify
+from m3patch.patching.series_lock import load_patches, pinned
+from m3patch.patching.snapshot import Snapshot, check_series_target, read_and_classify
 from m3patch.patching.states import Mode
 
 if TYPE_CHECKING:
@@ -48,8 +48,10 @@ def _revert_change(snap: Snapshot, plan: engine.FilePlan) -> writer.Change:
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
-    patches = load_patches(series)
-    notes: list[str] = []
+    pins = pinned(series)
+    target = check_series_target(tree, series, pins.hashes, Mode.REVERT)
+    patches = load_patches(series, pins.raw)
+    notes: list[str] = [] if target.plain else [target.note]
     with locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
         refuse_other_series(snap, tree)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from m3patch.errors import TreeIOError
+from m3patch.errors import PatchConflict, TreeIOError, VersionMismatch
 from m3patch.patching.diffs import safe_target
 from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
-from m3patch.patching.locate import VllmTree
+from m3patch.patching.locate import VllmTree, check_target
 from m3patch.patching.series import Series
 from m3patch.patching.states import FileState, Mode
 
@@ -30,6 +30,9 @@ PENDING_TRANSACTION = ("an interrupted transaction is pending (vllm/.m3patch/jou
                        "`m3patch apply` or `m3patch revert` completes or rolls it back")
 
 
+VERSION_FILE = "vllm/_version.py"
+
+
 def read_files(tree: VllmTree, paths: list[str]) -> dict[str, bytes | None]:
     out: dict[str, bytes | None] = {}
     for rel in paths:
@@ -38,6 +41,11 @@ def read_files(tree: VllmTree, paths: list[str]) -> dict[str, bytes | None]:
             out[rel] = path.read_bytes()
         except FileNotFoundError:
             out[rel] = None
+        except IsADirectoryError:
+            msg = f"{path}: a folder stands where the series pins a file"
+            raise PatchConflict(msg, hint="move the folder aside, then `m3patch status`; "
+                                "`pip install --force-reinstall --no-deps vllm` restores the file"
+                                ) from None
         except OSError as exc:
             msg = f"{path}: cannot read: {exc.strerror}"
             raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
@@ -58,6 +66,58 @@ def ledger_or_note(tree: VllmTree) -> tuple[Ledger | None, str | None]:
         return read_ledger(tree.root), None
     except TreeIOError as exc:
         return None, f"ignored: {exc.message}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The version check's outcome: the note for the ledger and the vLLM version the series
+    stands on (what the ledger records; after a series rewrote vllm/_version.py, the version
+    it was applied on, not the one the file now says)."""
+
+    note: str
+    version: str
+    commit: str | None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to say: the tree is the target release as it is."""
+        return self.note == f"{self.version} accepted"
+
+
+def _safe_ledger(tree: VllmTree) -> Ledger | None:
+    try:
+        return read_ledger(tree.root)
+    except TreeIOError:
+        return None
+
+
+def check_series_target(tree: VllmTree, series: Series, hashes: Mapping[str, tuple[str | None, ...]],
+                        mode: Mode) -> Target:
+    """The version policy (locate.check_target), with two cases the live version cannot decide:
+    a series that patches vllm/_version.py (the file at its pinned pristine image proves the
+    target version by hash; at a later pinned image, the ledger of this series proves it wrote
+    it), and a tree `apply --offset` ported to another version (its ledger, mode offset, says so).
+    Every command on a tree and a series calls this first, so apply, verify, status and revert
+    give the same verdict (VersionMismatch, exit 4) on another version's tree."""
+    ledger = _safe_ledger(tree)
+    ours = ledger is not None and ledger.series == series.id
+    pins = hashes.get(VERSION_FILE)
+    if pins is not None:
+        try:
+            current: str | None = digest((tree.root / VERSION_FILE).read_bytes())
+        except OSError:
+            current = None
+        if current is not None and current == pins[0]:
+            return Target(f"{tree.version} accepted", tree.version, tree.commit)
+        if current is not None and current in pins[1:] and ours and ledger is not None:
+            return Target(ledger.version_note, ledger.vllm_version, ledger.vllm_commit)
+    try:
+        return Target(check_target(tree, series.target_version, series.target_commit),
+                      tree.version, tree.commit)
+    except VersionMismatch as exc:
+        if mode == Mode.OFFSET or (ours and ledger is not None and ledger.mode == Mode.OFFSET):
+            return Target(f"offset mode: {exc.message}", tree.version, tree.commit)
+        raise
 
 
 @dataclass(frozen=True)

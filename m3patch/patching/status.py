@@ -14,12 +14,13 @@ from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
 from m3patch.patching.snapshot import (
     PENDING_TRANSACTION,
+    check_series_target,
     ledger_notes,
     ledger_view,
     read_and_classify,
     transaction_pending,
 )
-from m3patch.patching.states import FileState, PatchState, state_name
+from m3patch.patching.states import FileState, Mode, PatchState, state_name
 
 CONFLICT_STATES = (FileState.PARTIAL, FileState.DRIFTED, FileState.UPSTREAM, FileState.MISSING,
                    FileState.MODIFIED)
@@ -52,8 +53,10 @@ def tree_status(tree: VllmTree, series: Series) -> StatusReport:
     from m3patch.patching import engine  # deferred: api is imported on the already-applied path
 
     pins = pinned(series)
+    target = check_series_target(tree, series, pins.hashes, Mode.STRICT)
     interrupted = transaction_pending(tree.root)
     notes = [PENDING_TRANSACTION] if interrupted else []
+    notes += [] if target.plain else [target.note]
     snap = read_and_classify(tree, series, load_patches(series, pins.raw))
     statuses = ledger_view(snap)
     states = engine.patch_states(snap.chains, statuses)

@@ -20,6 +20,7 @@ from m3patch.patching.series_lock import load_patches, pinned
 from m3patch.patching.snapshot import (
     PENDING_TRANSACTION,
     Contents,
+    check_series_target,
     current_hashes,
     ledger_notes,
     ledger_or_note,
@@ -102,6 +103,7 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
     patched .py compiles, every .json parses. `contents`: the files as just read and hashed by
     this process (apply's already-applied path), so they are not read twice."""
     pins = pinned(series)
+    target = check_series_target(tree, series, pins.hashes, Mode.STRICT)
     problems = [PENDING_TRANSACTION] if transaction_pending(tree.root) else []
     data = contents if contents is not None else read_files(tree, list(pins.hashes))
     currents = current_hashes(data)
@@ -123,7 +125,8 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
                           "hunks": [h.fields(pid) for pid, h in status.hunks],
                           "differs_at": status.differs_at})
     who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
-    notes = ledger_notes(series.id, pins.hashes, currents, ledger, note)
+    notes = [] if target.plain else [target.note]
+    notes += ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),
                         problems=(*problems, *bad), notes=tuple(notes), compiler=who,
                         files=tuple(files))

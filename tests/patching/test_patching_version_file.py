@@ -1,0 +1,103 @@
+"""A series that rewrites vllm/_version.py (as every real release diff does) stays re-appliable:
+the file's pinned image plus this series' ledger prove the tree is ours, so apply, status, verify
+and revert agree instead of the live version check refusing every later apply (exit 4). A tree of
+another vLLM version is exit 4 for every command, and the hint never advises a downgrade."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from core_helpers import REPO, CliRunner, make_series, replace_file
+
+from m3patch import errors
+from m3patch.patching.ledger import read_ledger
+
+VERSION = "vllm/_version.py"
+
+
+def bump_diff(root: Path) -> str:
+    old = (root / VERSION).read_text().splitlines(keepends=True)
+    new = [line.replace("'0.33.0'", "'0.34.0'").replace("(0, 33, 0)", "(0, 34, 0)")
+           .replace("g4ba787ec9", "g1234567890") for line in old]
+    diff = difflib.unified_diff(old, new, f"a/{VERSION}", f"b/{VERSION}")
+    return f"diff --git a/{VERSION} b/{VERSION}\n" + "".join(diff)
+
+
+def run(cli: CliRunner, command: str, root: Path, series: Path, *extra: str) -> tuple[int, str]:
+    proc = cli(command, *extra, "--vllm-root", str(root), "--series", str(series))
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_series_that_rewrites_the_version_file_is_reapplied_verified_and_reverted(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    series = make_series(tmp_path / "bump", pristine_033, [bump_diff(pristine_033)])
+    pristine_bytes = (vllm_tree / VERSION).read_bytes()
+    assert run(m3patch_cli, "apply", vllm_tree, series)[0] == 0
+    assert "'0.34.0'" in (vllm_tree / VERSION).read_text()
+    ledger_before = read_ledger(vllm_tree)
+    for command, extra in [("apply", ()), ("apply", ("--verify",)), ("apply", ("--dry-run",)),
+                           ("status", ()), ("verify", ())]:
+        code, out = run(m3patch_cli, command, vllm_tree, series, *extra)
+        assert code == 0, (command, extra, out)
+    code, out = run(m3patch_cli, "apply", vllm_tree, series, "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["already_applied"] == ["p1"] and report["files_written"] == []
+    ledger = read_ledger(vllm_tree)
+    assert ledger is not None and ledger_before is not None
+    assert (ledger.vllm_version, ledger.vllm_commit) == ("0.33.0", "4ba787ec9")  # applied on
+    assert ledger.time == ledger_before.time  # re-apply wrote nothing, not even the ledger
+    assert run(m3patch_cli, "revert", vllm_tree, series)[0] == 0
+    assert (vllm_tree / VERSION).read_bytes() == pristine_bytes
+    assert read_ledger(vllm_tree) is None
+    assert run(m3patch_cli, "status", vllm_tree, series)[0] == 0
+
+
+def test_the_version_file_at_a_later_image_without_this_series_ledger_is_a_mismatch(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """The post-image alone is not proof: a genuine 0.34.0 file could equal it. Without the
+    ledger of this series the live version decides (exit 4, the same for every command)."""
+    series = make_series(tmp_path / "bump", pristine_033, [bump_diff(pristine_033)])
+    assert run(m3patch_cli, "apply", vllm_tree, series)[0] == 0
+    (vllm_tree / "vllm/.m3patch/ledger.json").unlink()
+    for command in ("apply", "status", "verify", "revert"):
+        code, out = run(m3patch_cli, command, vllm_tree, series)
+        assert code == errors.VersionMismatch.exit_code, (command, out)
+        assert "vLLM 0.34.0, but the series targets 0.33.0" in out
+
+
+def test_another_versions_series_is_exit_4_everywhere_and_never_advises_a_downgrade(
+        vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    older = REPO / "patches" / "vllm-0.32.0"
+    for command, extra in [("status", ()), ("status", ("--json",)), ("verify", ()),
+                           ("apply", ()), ("revert", ())]:
+        code, out = run(m3patch_cli, command, vllm_tree, older, *extra)
+        assert code == errors.VersionMismatch.exit_code, (command, out)
+        assert "vLLM 0.33.0, but the series targets 0.32.0" in out
+        assert "vllm==0.32.0" not in out  # no downgrade
+        assert "--series patches/vllm-0.33.0" in out
+    code, out = run(m3patch_cli, "status", vllm_tree, older, "--json")
+    assert json.loads(out[:out.rindex("}") + 1])["error"]["type"] == "VersionMismatch"
+
+
+def test_an_offset_port_to_another_version_is_accepted_by_every_command(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """`apply --offset` ports a series onto another release (a note, not a refusal); the offset
+    ledger then lets status, verify, plain apply and revert agree on that tree."""
+    rel = "vllm/logger.py"
+    series = make_series(tmp_path / "s", pristine_033, [
+        "".join(difflib.unified_diff(
+            (pristine_033 / rel).read_text().splitlines(keepends=True),
+            [*(pristine_033 / rel).read_text().splitlines(keepends=True), "# ported\n"],
+            f"a/{rel}", f"b/{rel}"))])
+    text = (vllm_tree / VERSION).read_text().replace("'0.33.0'", "'0.33.5'")
+    replace_file(vllm_tree / VERSION, text.encode())
+    assert run(m3patch_cli, "apply", vllm_tree, series)[0] == errors.VersionMismatch.exit_code
+    code, out = run(m3patch_cli, "apply", vllm_tree, series, "--offset")
+    assert code == 0 and "offset mode" in out, out
+    for command in ("apply", "status", "verify"):
+        assert run(m3patch_cli, command, vllm_tree, series)[0] == 0, command
+    assert run(m3patch_cli, "revert", vllm_tree, series)[0] == 0
+    assert (vllm_tree / rel).read_bytes() == (pristine_033 / rel).read_bytes()
