@@ -53,3 +53,17 @@ def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Pat
         code = main(["series", "lock", "--series", str(directory), "--tree", str(pristine_root)])
     assert code == 0, f"series lock failed with {code}"
     return directory
+
+
+def delete_diff(root: Path, rel: str) -> str:
+    """A git diff that deletes the real file `rel` (git's `deleted file mode`)."""
+    lines = (root / rel).read_text().splitlines(keepends=True)
+    body = "".join(f"-{line}" for line in lines)
+    return (f"diff --git a/{rel} b/{rel}\ndeleted file mode 100644\nindex 1111111..0000000\n"
+            f"--- a/{rel}\n+++ /dev/null\n@@ -1,{len(lines)} +0,0 @@\n{body}")
+
+
+def tree_listing(root: Path) -> set[str]:
+    """Every file and folder under root/vllm, m3patch's own state folder left out."""
+    return {str(p.relative_to(root)) for p in (root / "vllm").rglob("*")
+            if ".m3patch" not in p.parts}

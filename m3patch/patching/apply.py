@@ -187,8 +187,12 @@ def _same(a: Ledger | None, b: Ledger) -> bool:
     return a is not None and _record(a) == _record(b)
 
 
-def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
-    """Per new file, the folders this apply must create for it (shallowest first); a folder
+def _depth(folder: str) -> int:
+    return folder.count("/")
+
+
+def missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Per new file, the folders this run must create for it (shallowest first); a folder
     needed by two new files is named once, so exactly the created folders are recorded."""
     made: dict[str, tuple[str, ...]] = {}
     claimed: set[str] = set()
@@ -200,6 +204,36 @@ def _missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tup
         made[plan.path] = tuple(d for d in missing if d not in claimed)
         claimed.update(missing)
     return made
+
+
+def _emptied_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Per deleted file, the folders (below vllm/) this run's deletions leave empty, counting
+    its additions: they go with the file, as with `git apply` (an empty folder would import as
+    an empty namespace package), and the ledger names them so a revert re-creates them."""
+    gone = {p.path for p in plans if p.post is None}
+    kept = {str(d) for p in plans if p.post is not None for d in PurePosixPath(p.path).parents}
+    candidates = {str(d) for g in gone for d in list(PurePosixPath(g).parents)[:-2]}
+    emptied: set[str] = set()
+    for folder in sorted(candidates - kept, key=_depth, reverse=True):  # children first
+        try:
+            entries = {f"{folder}/{e.name}" for e in (tree.root / folder).iterdir()}
+        except OSError:
+            continue
+        if entries <= gone | emptied:
+            emptied.add(folder)
+    out: dict[str, tuple[str, ...]] = {}
+    claimed: set[str] = set()
+    for path in sorted(gone):
+        parents = [str(d) for d in reversed(list(PurePosixPath(path).parents)[:-2])]
+        out[path] = tuple(d for d in parents if d in emptied and d not in claimed)
+        claimed.update(out[path])
+    return out
+
+
+def folders_of(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Per file this run adds or deletes, the folders that exist only because of it: created
+    with a new file, removed with a deleted one. Recorded in the ledger (LedgerFile.dirs)."""
+    return {**missing_dirs(tree, plans), **_emptied_dirs(tree, plans)}
 
 
 def _already_applied(tree: VllmTree, pins: Pinned, version: str, dry_run: bool,
@@ -237,16 +271,25 @@ def _already_applied(tree: VllmTree, pins: Pinned, version: str, dry_run: bool,
                        already=ids, notes=tuple(notes), contents=contents)
 
 
-def _changes(tree: VllmTree, chains: Iterable[engine.Chain], plans: list[engine.FilePlan],
-             made: Mapping[str, tuple[str, ...]]) -> list[writer.Change]:
+def to_changes(tree: VllmTree, chains: Iterable[engine.Chain], plans: list[engine.FilePlan],
+               dirs: Mapping[str, tuple[str, ...]], new_file: str) -> list[writer.Change]:
+    """The writer's changes for these plans: a new file with the folders to create for it (and
+    the mode git recorded where the series `new_file`s it: "add", or "delete" for a revert),
+    a deleted file with the folders to remove after it; every path re-checked as confined."""
     from m3patch.patching import engine, writer  # deferred: only a run that writes needs them
 
     by_path = {c.path: c for c in chains}
-    changes = [writer.Change(p.path, p.pre, p.post, p.data,
-                             engine.new_file_mode(by_path[p.path], "add") if p.pre is None else None,
-                             made.get(p.path, ())) for p in plans]
-    for change in changes:
-        safe_target(tree.root, change.path)
+    changes = []
+    for p in plans:
+        safe_target(tree.root, p.path)
+        folders = dirs.get(p.path, ())
+        if p.pre is None:
+            changes.append(writer.Change(p.path, p.pre, p.post, p.data,
+                                         engine.new_file_mode(by_path[p.path], new_file),
+                                         make_dirs=folders))
+        else:
+            changes.append(writer.Change(p.path, p.pre, p.post, p.data,
+                                         drop_dirs=folders if p.post is None else ()))
     return changes
 
 
@@ -270,14 +313,15 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         refuse_other_series(snap, tree)
         chains = _selected(snap, only)
         plans = _plan(snap, chains, mode)
-        made = _missing_dirs(tree, plans)
+        made = folders_of(tree, plans)
         ledger = _ledger_for(snap, tree, mode, target, plans, made)
         if not dry_run and (plans or not _same(snap.ledger, ledger)):
             if not plans:
                 notes.append("files already patched; the ledger was missing or stale: rewritten")
             from m3patch.patching import writer  # deferred: only a run that writes needs it
 
-            writer.commit(tree.root, _changes(tree, chains, plans, made), ledger.to_bytes())
+            writer.commit(tree.root, to_changes(tree, chains, plans, made, "add"),
+                          ledger.to_bytes())
     wanted = {s.patch_id for c in chains for s in c.steps}
     pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
     offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"

@@ -10,8 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from m3patch.errors import PatchConflict, VerifyFailed
-from m3patch.patching.apply import ApplyReport, locked_or_dry, refuse_other_series
-from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.patching.apply import (
+    ApplyReport,
+    locked_or_dry,
+    missing_dirs,
+    refuse_other_series,
+    to_changes,
+)
+from m3patch.patching.diffs import check_rel_path
 from m3patch.patching.ledger import file_digest
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
@@ -20,7 +26,7 @@ from m3patch.patching.snapshot import Snapshot, check_series_target, read_and_cl
 from m3patch.patching.states import Mode
 
 if TYPE_CHECKING:
-    from m3patch.patching import engine, writer
+    from m3patch.patching import engine
 
 
 def revert_plans(snap: Snapshot) -> list[engine.FilePlan]:
@@ -34,16 +40,18 @@ def revert_plans(snap: Snapshot) -> list[engine.FilePlan]:
     return plans
 
 
-def _revert_change(snap: Snapshot, plan: engine.FilePlan) -> writer.Change:
-    """A file the revert deletes takes the folders the apply made for it (from the ledger)."""
-    from m3patch.patching import engine, writer  # deferred: off the fast path
-
-    chain = next(c for c in snap.chains if c.path == plan.path)
+def _folders(tree: VllmTree, snap: Snapshot,
+             plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
+    """Folders a revert creates (for a file the series deleted: the ones missing now, which its
+    apply removed) and removes (for a file the series added: the ones the ledger says its apply
+    created; a folder that existed before, even empty, stays)."""
+    dirs = missing_dirs(tree, plans)
     recorded = {f.path: f.dirs for f in snap.ledger.files} if snap.ledger else {}
-    drop = tuple(check_rel_path(d, "ledger.json dirs") for d in recorded.get(plan.path, ()))
-    return writer.Change(plan.path, plan.pre, plan.post, plan.data,
-                         engine.new_file_mode(chain, "delete") if plan.pre is None else None,
-                         drop_dirs=drop if plan.post is None else ())
+    for plan in plans:
+        if plan.post is None:
+            dirs[plan.path] = tuple(check_rel_path(d, "ledger.json dirs")
+                                    for d in recorded.get(plan.path, ()))
+    return dirs
 
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
@@ -59,9 +67,7 @@ def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> A
         if not dry_run and (plans or snap.ledger is not None):
             from m3patch.patching import writer  # deferred: off the fast path
 
-            changes = [_revert_change(snap, p) for p in plans]
-            for change in changes:
-                safe_target(tree.root, change.path)
+            changes = to_changes(tree, snap.chains, plans, _folders(tree, snap, plans), "delete")
             writer.commit(tree.root, changes, None)
             _check_written(tree, plans)
     reverted = {s.patch_id for p in plans for c in snap.chains if c.path == p.path
