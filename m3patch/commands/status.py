@@ -9,6 +9,7 @@ killed run's transaction is pending (status only reports it: apply or revert rec
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from m3patch.commands.common import add_tree_and_series_options, say, start_tree_command
@@ -16,6 +17,7 @@ from m3patch.errors import PatchConflict
 from m3patch.output import table
 from m3patch.patching import report_json
 from m3patch.patching.api import tree_status
+from m3patch.patching.engine import ALL_UP_TO, MORE_HINT, SHOWN_FILES
 
 if TYPE_CHECKING:
     from m3patch.patching.status import StatusReport
@@ -42,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         msg = "an interrupted transaction is pending in vllm/.m3patch/journal.json"
         raise PatchConflict(msg, hint="m3patch apply (or m3patch revert) completes or rolls it back")
     if report.conflicts:
-        msg = (f"{len(report.conflicts)} file(s) that neither apply nor revert can take: "
-               + ", ".join(report.conflicts))
+        named = ", ".join(report.conflicts[:SHOWN_FILES])
+        more = len(report.conflicts) - SHOWN_FILES
+        msg = (f"{len(report.conflicts)} file(s) that neither apply nor revert can take: {named}"
+               + (f" and {more} more (`m3patch status --json` lists them)" if more > 0 else ""))
         raise PatchConflict(msg, hint="restore them with `pip install --force-reinstall --no-deps "
                             f"vllm=={series.target_version}`, then `m3patch apply`")
     if fields is not None:
@@ -57,11 +61,16 @@ def _print_tables(report: StatusReport, title: str) -> None:
            for p in report.patches])
     table("files", ["file", "state", "patches"],
           [[f["path"], f["state"], ",".join(f["patches"])] for f in report.files])
-    for item in report.files:
-        for line in item["diagnosis"]:
-            say(f"{item['path']}: {line.strip()}")
+    lines = [f"{item['path']}: {line.strip()}" for item in report.files
+             for line in item["diagnosis"]]
+    for line in lines[:ALL_UP_TO]:
+        say(line)
+    if len(lines) > ALL_UP_TO:
+        say(f"... {len(lines) - ALL_UP_TO} more diagnosis line(s): {MORE_HINT}")
     for note in report.notes:
         say(f"note: {note}")
-    counts = [p["state"] for p in report.patches]
-    say(f"m3patch: {counts.count('applied')} applied, {counts.count('pending')} pending, "
-        f"{len(counts) - counts.count('applied') - counts.count('pending')} conflicts")
+    counts = Counter(str(p["state"]) for p in report.patches)
+    partial = f", {counts['partially applied']} partially applied" if counts[
+        "partially applied"] else ""
+    say(f"m3patch: {counts['applied']} applied, {counts['pending']} pending{partial}, "
+        f"{counts['conflict'] + counts['upstreamed']} in conflict")

@@ -146,7 +146,7 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
         else:
             conflicts.extend(engine.diagnosis(view[chain.path]))
     if conflicts:
-        msg = "refusing to patch files that match no pinned image:\n" + "\n".join(conflicts)
+        msg = engine.summarize(conflicts, "refusing to patch files that match no pinned image")
         version = snap.series.target_version
         raise PatchConflict(msg, hint="m3patch status; restore with `pip install --force-reinstall "
                             f"--no-deps vllm=={version}`, or port the patch (apply --offset)")

@@ -235,3 +235,38 @@ def diagnosis(status: FileStatus) -> list[str]:
         out.append(f"  outside every hunk: first differs from the {status.differs_from} file "
                    f"at line {status.differs_at}")
     return out
+
+
+ALL_UP_TO = 30  # a refusal of at most this many diagnosis lines shows them all; a longer one
+SHOWN_FILES = 5  # names at most this many files ...
+SHOWN_HUNKS = 4  # ... with at most this many hunk lines each
+MORE_HINT = "`m3patch status --json` lists every file and hunk"
+
+
+def summarize(lines: Sequence[str], headline: str) -> str:
+    """A refusal that stays short on any base: `headline` with the counts of files and hunks,
+    the first few files with their first few hunk lines, then where the rest is. `lines` are
+    diagnosis lines: a file's line, then its indented hunk and detail lines."""
+    blocks: list[list[str]] = []
+    for line in lines:
+        if line.startswith(" ") and blocks:
+            blocks[-1].append(line)
+        else:
+            blocks.append([line])
+    hunks = sum(1 for block in blocks for line in block[1:] if " hunk " in line)
+    out = [f"{headline}: {len(blocks)} file(s), {hunks} hunk(s)"]
+    if len(lines) <= ALL_UP_TO:
+        return "\n".join([*out, *lines])
+    hidden_hunks = 0
+    for block in blocks[:SHOWN_FILES]:
+        out.extend(block[:1 + SHOWN_HUNKS])
+        rest = block[1 + SHOWN_HUNKS:]
+        hidden_hunks += sum(1 for line in rest if " hunk " in line)
+        if rest:
+            out.append(f"    ... {len(rest)} more line(s) for this file")
+    hidden_hunks += sum(1 for block in blocks[SHOWN_FILES:] for line in block if " hunk " in line)
+    hidden_files = len(blocks) - SHOWN_FILES
+    if hidden_files > 0 or hidden_hunks:
+        out.append(f"... {max(hidden_files, 0)} more file(s), {hidden_hunks} more hunk(s) not "
+                   f"shown: {MORE_HINT}")
+    return "\n".join(out)

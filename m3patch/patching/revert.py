@@ -34,7 +34,7 @@ def revert_plans(snap: Snapshot) -> list[engine.FilePlan]:
 
     plans, conflicts = engine.revert_plans(snap.chains, snap.statuses, snap.contents, snap.ledger)
     if conflicts:
-        msg = "cannot revert files that match no pinned image:\n" + "\n".join(conflicts)
+        msg = engine.summarize(conflicts, "cannot revert files that match no pinned image")
         raise PatchConflict(msg, hint="reinstall vLLM: `pip install --force-reinstall --no-deps "
                             f"vllm=={snap.series.target_version}`")
     return plans

@@ -58,8 +58,10 @@ class VerifyReport:
 
     def raise_for_failure(self) -> None:
         if self.problems:
-            msg = (f"{self.problem_count} problem(s) in the patched tree:\n"
-                   + "\n".join(self.problems))
+            from m3patch.patching import engine  # deferred: the already-applied path never fails
+
+            headline = f"{self.problem_count} problem(s) in the patched tree"
+            msg = engine.summarize(self.problems, headline)
             raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
 
 
