@@ -23,6 +23,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
+| 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -122,6 +123,13 @@ class ModelMissing(M3PatchError):
     exit_code = 19
 
 
+class OutputFailed(M3PatchError):
+    """stdout (or stderr) refused a write: a full device, a quota, an I/O error. The command's
+    work stands; only its report was lost."""
+
+    exit_code = 27
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -132,5 +140,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    Interrupted,
+    OutputFailed, Interrupted,
 )

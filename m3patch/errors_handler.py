@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -14,9 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from m3patch import __version__
-from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError
+from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError, OutputFailed
 
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a tool killed by SIGPIPE reports (`| head`)
+# errno of a write to a stream that cannot take it (stdout to /dev/full, a full disk or quota)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def is_output_error(exc: BaseException) -> bool:
+    """An OSError from writing stdout/stderr, not from a file: every file m3patch touches goes
+    through fsio or the writer, which name the path (and turn errors into their own codes), so
+    an unnamed ENOSPC/EIO that reaches the handler is the output stream's."""
+    return (isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS
+            and exc.filename is None and exc.filename2 is None)
 
 
 def _silence_stdout() -> None:
@@ -57,12 +68,16 @@ def _emit_json(code: int, kind: str, message: str, hint: str | None) -> None:
 
 def _emit(message: str, *, annotated: bool = False) -> None:
     first, *rest = message.splitlines() or [""]
-    if os.environ.get("GITHUB_ACTIONS") == "true" and not annotated:
-        flat = message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-        print(f"::error::{flat}", file=sys.stderr)
-    print(f"m3patch: error: {first}", file=sys.stderr)
-    for line in rest:
-        print(f"  {line}", file=sys.stderr)
+    try:
+        if os.environ.get("GITHUB_ACTIONS") == "true" and not annotated:
+            flat = message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+            print(f"::error::{flat}", file=sys.stderr)
+        print(f"m3patch: error: {first}", file=sys.stderr)
+        for line in rest:
+            print(f"  {line}", file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr full or closed too: the exit code is all that is left
+        pass
 
 
 def crash_log_dir() -> Path:
@@ -101,7 +116,7 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
         outcome.code = exc.exit_code
         _emit_json(exc.exit_code, type(exc).__name__, exc.message, exc.hint)
     except KeyboardInterrupt:
-        print("m3patch: interrupted", file=sys.stderr)
+        _emit("interrupted")
         outcome.code = 130
         _emit_json(130, "Interrupted", "interrupted", None)
     except BrokenPipeError:  # the reader of stdout left (`status --json | head -1`)
@@ -109,12 +124,26 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
         outcome.code = CLOSED_PIPE_EXIT
     except SystemExit:
         raise
+    except OSError as exc:
+        if not is_output_error(exc):
+            _internal(exc, debug, outcome)
+            return
+        _silence_stdout()  # the interpreter's final flush would fail again on the same device
+        failed = OutputFailed(f"cannot write the output: {exc.strerror or exc}",
+                              hint="free space on the device stdout goes to, or redirect it")
+        _emit(str(failed))
+        outcome.code = failed.exit_code
     except Exception as exc:
-        log = _write_crash_log(exc)
-        if debug or log is None:
-            traceback.print_exc()
-        where = f"; details in {log}" if log else ""
-        message = f"internal error: {type(exc).__name__}: {exc}{where} (please report it)"
-        _emit(message)
-        outcome.code = INTERNAL_ERROR_EXIT
-        _emit_json(INTERNAL_ERROR_EXIT, "InternalError", message, None)
+        _internal(exc, debug, outcome)
+
+
+def _internal(exc: Exception, debug: bool, outcome: Outcome) -> None:
+    """A bug: the traceback to a crash log, one line to stderr, exit 70."""
+    log = _write_crash_log(exc)
+    if debug or log is None:
+        traceback.print_exc()
+    where = f"; details in {log}" if log else ""
+    message = f"internal error: {type(exc).__name__}: {exc}{where} (please report it)"
+    _emit(message)
+    outcome.code = INTERNAL_ERROR_EXIT
+    _emit_json(INTERNAL_ERROR_EXIT, "InternalError", message, None)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from m3patch import __version__
+
+OUTPUT_FAILED_EXIT = 27  # errors.OutputFailed, without importing the errors module for --version
 
 
 class Command(NamedTuple):
@@ -70,7 +73,12 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
-        print(f"m3patch {__version__}")
+        try:
+            print(f"m3patch {__version__}", flush=True)
+        except OSError as exc:  # stdout on a full device: the documented OutputFailed code
+            sys.stderr.write(f"m3patch: error: cannot write the output: {exc.strerror}\n")
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return OUTPUT_FAILED_EXIT
         return 0
     # deferred: after the --version fast path (dataclasses, traceback)
     from m3patch.errors_handler import handle_errors
