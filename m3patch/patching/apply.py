@@ -302,7 +302,7 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
     mode = Mode(mode)
     pins = pinned(series)
     target = check_series_target(tree, series, pins.hashes, mode)
-    notes = [] if target.plain else [target.note]
+    notes = [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     if not only and mode == Mode.STRICT:
         done = _already_applied(tree, pins, target.version, dry_run, notes)
         if done is not None:

