@@ -13,7 +13,7 @@ import argparse
 import signal
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import load_aggregate
@@ -21,14 +21,17 @@ from m3patch.bench.plots import PlotRun, draw, run_title
 from m3patch.bench.results import write_result
 from m3patch.errors import Interrupted, UsageError
 from m3patch.output import info, stdout_console, table
+from m3patch.patching import report_json
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import finish, run_steps
 
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunSpec
+    from m3patch.run.steps import RunOutcome
 
 COMPARE = "compare"
+STDOUT = "-"  # `--json` without a FILE
 METRICS = tuple(cmp.METRIC_LABELS)
 
 
@@ -56,7 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "<stat>_<ttft|tpot|itl|e2el> in seconds, <stat> one of mean, median, "
                            "std, p90, p99, p99.9 (default: tput_per_gpu, total tok/s/GPU)")
     comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
-    comp.add_argument("--json", type=Path, metavar="FILE", help="also write the comparison as JSON")
+    parser.add_argument("--json", nargs="?", const=STDOUT, metavar="FILE",
+                        help="the report as one JSON object (docs/json-schema.md): on stdout, "
+                             "or with FILE into that file (compare: the comparison); put it "
+                             "after the recipe")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,9 +78,28 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    with RunPipeline(run_spec(recipe_path(args.what[0]), args)) as pipeline:
+    fields = report_json.start("bench") if args.json == STDOUT else report_json.envelope("bench")
+    spec = run_spec(recipe_path(args.what[0]), args)
+    with RunPipeline(spec) as pipeline:
         outcome = run_steps(pipeline.steps(), lambda _result: None)
-    return finish(outcome)
+    report_run(fields, pipeline, outcome, spec.recipe_path)
+    if args.json not in (None, STDOUT):
+        report = {**fields, "exit_code": outcome.exit_code, "ok": outcome.exit_code == 0}
+        write_result(Path(args.json), report)
+    code = finish(outcome)
+    if args.json == STDOUT:
+        report_json.finish(fields)
+    return code
+
+
+def report_run(fields: dict[str, Any], pipeline: RunPipeline, outcome: RunOutcome,
+               recipe: Path) -> None:
+    """The run's part of the --json object: recipe, run folder, steps, the tree it prepared."""
+    plan = pipeline.plan
+    report_json.attach_run(fields, recipe=recipe, run_dir=None if plan is None else plan.run_dir,
+                           python=None if plan is None else plan.python,
+                           ledger_sha256=pipeline.ledger_sha256,
+                           steps=[r.to_json() for r in outcome.results])
 
 
 def run_spec(recipe: Path, args: argparse.Namespace) -> RunSpec:
@@ -90,8 +115,15 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
+    fields = report_json.start("bench") if args.json == STDOUT else None
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
+    if fields is not None:  # stdout is the object's alone: no tables
+        fields.update(compare={"base": str(base), "new": str(new), "metric": args.metric,
+                               **cmp.to_json(result)})
+        _plots(base_agg, new_agg, args)
+        report_json.finish(fields)
+        return 0
     label = cmp.METRIC_LABELS[args.metric]
     table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}",
           ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"],
@@ -101,11 +133,15 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
     stdout_console().print(cmp.summary(result), markup=False, highlight=False)
     if args.json:
-        write_result(args.json, cmp.to_json(result))
+        write_result(Path(args.json), cmp.to_json(result))
         info(f"comparison written to {args.json}")
+    _plots(base_agg, new_agg, args)
+    return 0
+
+
+def _plots(base_agg: dict[str, Any], new_agg: dict[str, Any], args: argparse.Namespace) -> None:
     if args.plots:
         runs = [PlotRun("base", run_title(base_agg), tuple(base_agg["rows"])),
                 PlotRun("new", run_title(new_agg), tuple(new_agg["rows"]))]
         for path in draw(runs, args.plots):
             info(f"plot written to {path}")
-    return 0

@@ -19,10 +19,10 @@ import contextlib
 import io
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from m3patch.errors import Interrupted, M3PatchError
 from m3patch.fsio import write_json_atomic
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
 from m3patch.output import info
+from m3patch.patching import report_json
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
@@ -45,21 +46,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, help="run folder (default: <results>/ci-<name>-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the valid cells already in --run-dir (m3patch bench --resume)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the job's report as one JSON object on stdout "
+                             "(docs/json-schema.md; the same fields as ci.json)")
 
 
 def run(args: argparse.Namespace) -> int:
 
     # CI cancelling the job must unwind like Ctrl-C, so the server's group is stopped.
     signal.signal(signal.SIGTERM, _on_sigterm)
+    fields = report_json.start("ci") if args.json else report_json.envelope("ci")
     spec = RunSpec(args.recipe, RunCommand.CI, run_dir=args.run_dir, resume=args.resume,
                    plots=PlotMode.REQUIRED)
     with RunPipeline(spec) as pipeline:
         outcome = run_steps(ci_steps(pipeline), _print_step)
     run_dir = pipeline.plan.run_dir if pipeline.plan is not None else spec.run_dir
+    report_json.attach_run(fields, recipe=args.recipe, run_dir=run_dir,
+                           python=pipeline.plan.python if pipeline.plan is not None else None,
+                           ledger_sha256=pipeline.ledger_sha256,
+                           steps=[r.to_json() for r in outcome.results])
     if run_dir is not None:  # no run folder is known before the recipe names one
-        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code)
+        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code, fields)
     code = finish(outcome)
     info(f"ci: all steps passed; artifacts in {run_dir}")
+    if args.json:
+        report_json.finish(fields)
     return code
 
 
@@ -120,9 +131,16 @@ def teed_output(log_path: Path) -> Iterator[None]:
             raise
 
 
-def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int) -> None:
-    data = {
+def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int,
+                  report: Mapping[str, Any] | None = None) -> None:
+    """ci.json: its own fields (schema 1, recipe, run_dir, exit_code, steps), plus the --json
+    envelope's (tool_version, tree_root, vllm_version, series_id, mode, ledger_sha256, ok) with
+    that envelope's schema as `report_schema` (`schema` stays ci.json's own)."""
+    data: dict[str, Any] = {
         "schema": 1, "recipe": str(recipe), "run_dir": str(run_dir),
         "exit_code": code, "steps": [r.to_json() for r in results],
     }
+    if report is not None:
+        extra = {k: v for k, v in report.items() if k not in data and k != "schema"}
+        data.update(extra, report_schema=report["schema"], ok=code == 0)
     write_json_atomic(Path(run_dir) / SUMMARY, data)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -17,10 +18,12 @@ from types import FrameType
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted
 from m3patch.output import info
+from m3patch.patching import report_json
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import RunCommand, RunPipeline, RunSpec, default_run_dir, echo_server_line
 from m3patch.run.steps import finish, run_steps
+from m3patch.serving.launch_plan import prepare_tree
 from m3patch.serving.server_session import ServeSession
 
 HEALTH_PROBE_EVERY_S = 10.0  # a hung engine stays alive; only /health shows it
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench", action="store_true",
                         help="once ready: run the recipe's sweep (as `m3patch bench`) into the "
                              "run folder, plot, then stop")
+    parser.add_argument("--json", action="store_true",
+                        help="when the server has stopped (or on an error): one JSON object on "
+                             "stdout (docs/json-schema.md)")
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -65,30 +71,59 @@ def run(args: argparse.Namespace) -> int:
 def _serve_bench(args: argparse.Namespace) -> int:
     """The run pipeline with this command's server settings: every cell, plots, then stop."""
 
+    fields = report_json.start("serve") if args.json else None
     spec = RunSpec(args.recipe, RunCommand.SERVE, run_dir=args.run_dir, python=args.python,
                    port=args.port, echo=not args.quiet)
     with RunPipeline(spec) as pipeline:
         outcome = run_steps(pipeline.steps(), lambda _result: None)
-    return finish(outcome)
+    if fields is not None:
+        plan = pipeline.plan
+        report_json.attach_run(fields, recipe=args.recipe,
+                               run_dir=None if plan is None else plan.run_dir,
+                               python=None if plan is None else plan.python,
+                               ledger_sha256=pipeline.ledger_sha256,
+                               steps=[r.to_json() for r in outcome.results])
+    code = finish(outcome)
+    if fields is not None:
+        report_json.finish(fields)
+    return code
 
 
 def _serve(args: argparse.Namespace) -> int:
 
+    fields = report_json.start("serve") if args.json else None
     recipe = load_recipe(args.recipe)
     run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
-    session = ServeSession(recipe, run_dir, python=args.python, port=args.port,
-                           echo=None if args.quiet else echo_server_line)
+    python = args.python or recipe.target.python or sys.executable  # as ServeSession picks it
+    ledger = None
+    if fields is not None:  # prepared here, so an error from the server still names the tree
+        report_json.attach_run(fields, recipe=args.recipe, run_dir=run_dir, python=python,
+                               ledger_sha256=None, steps=[])
+        ledger = prepare_tree(recipe, python)
+        report_json.attach_run(fields, recipe=args.recipe, run_dir=run_dir, python=python,
+                               ledger_sha256=ledger, steps=[])
+    session = ServeSession(recipe, run_dir, python=python, port=args.port,
+                           echo=None if args.quiet else echo_server_line, ledger_sha256=ledger)
     with session:
         info(session.ready_line())
-        if args.stop_after_ready:
-            return 0
-        end = None if args.hold is None else time.monotonic() + args.hold
-        next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
-        while end is None or time.monotonic() < end:
-            session.check_alive()
-            if time.monotonic() >= next_probe:
-                session.check_answering()
-                next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
-            time.sleep(WATCH_S)
+        if fields is not None:
+            fields.update(ready=session.ready_line(), base_url=session.base_url,
+                          log=str(session.log_path))
+        if not args.stop_after_ready:
+            _watch(session, args.hold)
     info(f"stopped; log {session.log_path}")
+    if fields is not None:
+        report_json.finish(fields)
     return 0
+
+
+def _watch(session: ServeSession, hold: float | None) -> None:
+    """Until `hold` seconds pass (or forever): the server alive, and answering every so often."""
+    end = None if hold is None else time.monotonic() + hold
+    next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
+    while end is None or time.monotonic() < end:
+        session.check_alive()
+        if time.monotonic() >= next_probe:
+            session.check_answering()
+            next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
+        time.sleep(WATCH_S)
