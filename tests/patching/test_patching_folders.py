@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from core_helpers import (
+    REPO,
     CliRunner,
     append_diff,
     delete_diff,
@@ -86,3 +87,16 @@ def test_a_rename_is_refused_with_the_delete_plus_add_hint(
     assert proc.returncode == errors.UsageError.exit_code, proc.stderr
     assert "rename vllm/version.py -> vllm/version2.py is not supported" in proc.stderr
     assert "express a rename as a delete plus an add" in proc.stderr
+
+
+def test_a_folder_where_a_file_is_pinned_is_a_conflict_not_a_permission_problem(
+        vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    shipped = REPO / "patches" / "vllm-0.33.0"
+    target = vllm_tree / "vllm/model_executor/layers/quantization/modelopt.py"
+    target.unlink()
+    target.mkdir()
+    for command in ("status", "verify", "apply", "revert"):
+        code, out = run(m3patch_cli, command, vllm_tree, shipped)
+        assert code == errors.PatchConflict.exit_code, (command, out)
+        assert "modelopt.py: a folder stands where the series pins a file" in out, command
+        assert "permissions" not in out, command
