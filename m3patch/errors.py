@@ -23,6 +23,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
+| 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
+| 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -120,6 +122,14 @@ class ServerDied(M3PatchError):
 
 class ModelMissing(M3PatchError):
     exit_code = 19
+
+
+class PortConflict(M3PatchError):
+    exit_code = 22
+
+
+class MarkerUnprintable(M3PatchError):
+    exit_code = 23
 
 
 class Interrupted(M3PatchError):
