@@ -1,6 +1,6 @@
 """One tree's texts, kept between runs: parsing vLLM's ~3,200 files takes half a minute, so
-the extracted sources are cached under the m3patch cache, keyed by every .py file's path, size
-and mtime. A cache file is read back as hostile input: anything malformed is ignored and
+the extracted sources are cached under the m3patch cache, keyed by every .py file's path and
+content (sha256). A cache file is read back as hostile input: anything malformed is ignored and
 rebuilt, never trusted."""
 
 from __future__ import annotations
@@ -15,18 +15,23 @@ from m3patch.fsio import write_json_atomic
 from m3patch.marker_lint.sources import ANY, Source, file_sources
 from m3patch.patching.pristine import cache_root
 
-CACHE_SCHEMA = 2
+CACHE_SCHEMA = 3
 
 
 def tree_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / "vllm").rglob("*.py") if p.is_file() and not p.is_symlink())
 
 
-def tree_key(root: Path, files: list[Path]) -> str:
+def file_digests(root: Path, files: list[Path]) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(_read(p)).hexdigest() for p in files}
+
+
+def tree_key(digests: dict[str, str]) -> str:
+    """The tree's content: every file's path and sha256 (so a hard-linked or copied tree with
+    the same files shares the cache, and a tree with one file changed misses it)."""
     h = hashlib.sha256()
-    for path in files:
-        st = path.stat()
-        h.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for rel, sha in sorted(digests.items()):
+        h.update(f"{rel}\0{sha}\n".encode())
     return h.hexdigest()
 
 
@@ -53,38 +58,74 @@ def _decode(raw: object) -> list[Source] | None:
     return out
 
 
-def _read_cache(path: Path, key: str) -> list[Source] | None:
+def _read_cache(path: Path, key: str | None) -> tuple[dict[str, str], dict[str, list[Source]]] | None:
+    """(per file digest, per file texts), or None when absent or not trustworthy; `key=None`
+    accepts any tree's cache (a base to reuse unchanged files from)."""
     try:
         body = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
-    if not isinstance(body, dict) or body.get("schema") != CACHE_SCHEMA or body.get("key") != key:
+    if not isinstance(body, dict) or body.get("schema") != CACHE_SCHEMA or (
+            key is not None and body.get("key") != key):
         return None
-    return _decode(body.get("sources"))
+    files, digests = body.get("files"), body.get("digests")
+    if not isinstance(files, dict) or not isinstance(digests, dict) or set(files) != set(digests):
+        return None
+    out: dict[str, list[Source]] = {}
+    for rel, raw in files.items():
+        decoded = _decode(raw)
+        if decoded is None or any(s.path != rel for s in decoded) or not isinstance(
+                digests[rel], str):
+            return None
+        out[rel] = decoded
+    return {str(k): str(v) for k, v in digests.items()}, out
+
+
+def _reusable(folder: Path, digests: dict[str, str]) -> dict[str, list[Source]]:
+    """Texts of unchanged files from the cached tree sharing the most files with this one
+    (a scratch copy with a few files edited need not re-read 3,000 files)."""
+    best: dict[str, list[Source]] = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        found = _read_cache(path, None)
+        if found is None:
+            continue
+        old_digests, texts = found
+        same = {rel: texts[rel] for rel, sha in digests.items() if old_digests.get(rel) == sha}
+        if len(same) > len(best):
+            best = same
+    return best
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        msg = f"{path}: cannot read: {exc.strerror}"
+        raise TreeIOError(msg, hint="check the tree's permissions") from None
 
 
 def tree_sources(root: Path, *, use_cache: bool = True) -> list[Source]:
-    """Every text of the tree's .py files (cached per tree state)."""
+    """Every text of the tree's .py files (cached per tree content)."""
     files = tree_files(root)
     if not files:
         msg = f"{root}: no vllm/*.py files to read markers from"
         raise TreeIOError(msg, hint="pass --tree ROOT (the folder that contains vllm/)")
-    key = tree_key(root, files)
-    cache = cache_root() / "marker-sources" / f"{key}.json"
-    if use_cache:
-        cached = _read_cache(cache, key)
-        if cached is not None:
-            return cached
-    sources: list[Source] = []
+    digests = file_digests(root, files)
+    key = tree_key(digests)
+    folder = cache_root() / "marker-sources"
+    found = _read_cache(folder / f"{key}.json", key) if use_cache else None
+    if found is not None:
+        return [s for sources in found[1].values() for s in sources]
+    per_file = _reusable(folder, digests) if use_cache else {}
+    fresh = len(per_file) == 0
     for path in files:
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            msg = f"{path}: cannot read: {exc.strerror}"
-            raise TreeIOError(msg, hint="check the tree's permissions") from None
-        sources.extend(file_sources(path.relative_to(root).as_posix(), data))
-    if use_cache:
-        with contextlib.suppress(M3PatchError, OSError):  # an unwritable cache only costs time
-            write_json_atomic(cache, {"schema": CACHE_SCHEMA, "key": key, "root": str(root),
-                                      "sources": _encode(sources)}, indent=0)
-    return sources
+        rel = path.relative_to(root).as_posix()
+        if rel not in per_file:
+            per_file[rel] = file_sources(rel, _read(path))
+    if use_cache and fresh:  # only whole reads are stored: edited scratch copies would pile up
+        with contextlib.suppress(M3PatchError, OSError):  # an unwritable cache costs time only
+            write_json_atomic(folder / f"{key}.json",
+                              {"schema": CACHE_SCHEMA, "key": key, "root": str(root),
+                               "digests": digests,
+                               "files": {r: _encode(v) for r, v in per_file.items()}}, indent=0)
+    return [s for sources in per_file.values() for s in sources]

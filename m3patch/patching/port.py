@@ -10,7 +10,8 @@ conflict. A conflict carries the hunk, the old upstream region (the hunk's old l
 closest region of the new file and what changed between those two.
 
 The regenerated patches are unified diffs (3 lines of context, `a/` `b/` names, `/dev/null` for a
-new file) of each file's pre-image on the new tree against its post-image.
+new file; files in the patch's own order) of each file's pre-image on the new tree against its
+post-image. A conflict's `new_line` is the new vLLM's line (before this patch's hunks).
 """
 
 from __future__ import annotations
@@ -117,14 +118,16 @@ def closest_region(lines: list[str], want: tuple[str, ...], expected: int) -> in
     return best
 
 
-def _conflict(lines: list[str], hunk: Hunk, expected: int, why: str) -> Conflict:
+def _conflict(lines: list[str], hunk: Hunk, expected: int, why: str, placed: int = 0) -> Conflict:
+    """`placed`: lines the earlier placed hunks of this file added, so the reported line is
+    the new vLLM's own line number."""
     start = closest_region(lines, hunk.old_lines, expected)
     end = min(len(lines), start + len(hunk.old_lines))
     new_region = tuple(lines[start:end])
     changed = tuple(line.rstrip("\n") for line in difflib.unified_diff(
         list(hunk.old_lines), list(new_region), "old upstream", "new upstream", n=1))[2:]
     return Conflict(why, hunk_lines(hunk), tuple(x.rstrip("\n") for x in hunk.old_lines),
-                    tuple(x.rstrip("\n") for x in new_region), start + 1, changed)
+                    tuple(x.rstrip("\n") for x in new_region), start + 1 - placed, changed)
 
 
 def _place(lines: list[str], hunk: Hunk, expected: int, floor: int) -> tuple[HunkOutcome, int, str]:
@@ -158,7 +161,7 @@ def port_file(fp: FilePatch, data: bytes | None) -> FilePort:
     lines = hk.to_lines(data)
     out = list(lines)
     results: list[HunkPort] = []
-    shift = floor = 0
+    shift = floor = placed = 0
     for hunk in fp.hunks:
         expected = hk.old_index(hunk) + shift
         outcome, at, why = _place(out, hunk, expected, floor)
@@ -170,11 +173,12 @@ def port_file(fp: FilePatch, data: bytes | None) -> FilePort:
                 floor = up + len(hunk.new_lines)
                 continue
             results.append(HunkPort(hunk.index, "conflict", hunk.old_start, None,
-                                    conflict=_conflict(out, hunk, expected, why)))
+                                    conflict=_conflict(out, hunk, expected, why, placed)))
             continue
         out[at:at + len(hunk.old_lines)] = hunk.new_lines
         results.append(HunkPort(hunk.index, outcome, hunk.old_start, at + 1, at - expected))
         shift += len(hunk.new_lines) - len(hunk.old_lines)
+        placed += len(hunk.new_lines) - len(hunk.old_lines)
         floor = at + len(hunk.new_lines)
     if any(r.outcome == "conflict" for r in results):
         return FilePort(fp.path, fp.kind, tuple(results), data, data)
@@ -235,7 +239,7 @@ def plan_port(patches: Sequence[tuple[PatchFile, str, tuple[str, ...], str]],
         if outcome not in ("conflict", "fully-upstream"):
             for f in files:
                 current[f.path] = f.post
-            diff = "".join(file_diff(f.path, f.pre, f.post)
-                           for f in sorted(files, key=lambda f: f.path) if f.changed)
-        ported.append(PatchPort(patch_id, patch.name, outcome, files, upstream, drop_when, diff))
+            diff = "".join(file_diff(f.path, f.pre, f.post) for f in files if f.changed)
+        name = patch.name.rsplit("/", 1)[-1]  # the .patch file name inside the series folder
+        ported.append(PatchPort(patch_id, name, outcome, files, upstream, drop_when, diff))
     return PortPlan(tuple(ported), current)

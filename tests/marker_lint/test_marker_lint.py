@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from core_helpers import CliRunner
 
-from m3patch.marker_lint.cache import CACHE_SCHEMA, _read_cache, tree_files, tree_key
+from m3patch.marker_lint.cache import CACHE_SCHEMA, _read_cache, file_digests, tree_files, tree_key
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import TextIndex, build_index, lint_specs
 from m3patch.marker_lint.printable import can_print, regex_literals
@@ -143,10 +143,16 @@ def test_a_malformed_cache_is_ignored(tmp_path: Path) -> None:
     root = tmp_path / "t"
     (root / "vllm").mkdir(parents=True)
     (root / "vllm" / "a.py").write_text("x = 'hello world text'\n", encoding="utf-8")
-    key = tree_key(root, tree_files(root))
+    digests = file_digests(root, tree_files(root))
+    key = tree_key(digests)
     cache = tmp_path / "c.json"
-    cache.write_text(json.dumps({"schema": CACHE_SCHEMA, "key": key,
-                                 "sources": [["vllm/a.py", "1", [], False, None]]}))
-    assert _read_cache(cache, key) is None
+    good = {"schema": CACHE_SCHEMA, "key": key, "digests": digests,
+            "files": {"vllm/a.py": [["vllm/a.py", 1, ["hello world text"], False, None]]}}
+    cache.write_text(json.dumps(good))
+    assert _read_cache(cache, key) is not None
+    for bad_row in (["vllm/a.py", "1", [], False, None], ["vllm/b.py", 1, [], False, None],
+                    ["vllm/a.py", 1, [True], False, None]):
+        cache.write_text(json.dumps({**good, "files": {"vllm/a.py": [bad_row]}}))
+        assert _read_cache(cache, key) is None
     cache.write_text("{not json")
     assert _read_cache(cache, key) is None
