@@ -142,5 +142,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    Interrupted,
+    PortConflict, MarkerUnprintable, Interrupted,
 )

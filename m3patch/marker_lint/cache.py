@@ -15,7 +15,11 @@ from m3patch.fsio import write_json_atomic
 from m3patch.marker_lint.sources import ANY, Source, file_sources
 from m3patch.patching.pristine import cache_root
 
-CACHE_SCHEMA = 3
+CACHE_SCHEMA = 4
+# in-process memo: (root, every file's path, size, mtime, inode) -> texts; loading the cache
+# file costs seconds, and `recipe validate` / `series lock` may run many times in one process
+_MEMO: dict[str, list[Source]] = {}
+_MEMO_MAX = 4
 
 
 def tree_files(root: Path) -> list[Path]:
@@ -104,12 +108,32 @@ def _read(path: Path) -> bytes:
         raise TreeIOError(msg, hint="check the tree's permissions") from None
 
 
+def _listing_key(root: Path, files: list[Path]) -> str:
+    h = hashlib.sha256(str(root.resolve()).encode())
+    for path in files:
+        st = path.stat()
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()
+
+
 def tree_sources(root: Path, *, use_cache: bool = True) -> list[Source]:
     """Every text of the tree's .py files (cached per tree content)."""
     files = tree_files(root)
     if not files:
         msg = f"{root}: no vllm/*.py files to read markers from"
         raise TreeIOError(msg, hint="pass --tree ROOT (the folder that contains vllm/)")
+    listing = _listing_key(root, files)
+    if use_cache and listing in _MEMO:
+        return _MEMO[listing]
+    sources = _load_or_read(root, files, use_cache=use_cache)
+    if use_cache:
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[listing] = sources
+    return sources
+
+
+def _load_or_read(root: Path, files: list[Path], *, use_cache: bool) -> list[Source]:
     digests = file_digests(root, files)
     key = tree_key(digests)
     folder = cache_root() / "marker-sources"

@@ -6,7 +6,8 @@ an f-string field, a `{}` of `.format`, the non-string side of a `+`) that stand
 without whitespace (a backend name, a path, a number); `ANY` is free text (the log prefix). Log calls
 (`logger.info(...)`, `..._once`) carry vLLM's line prefix `... [file.py:LINE] ` in front, so a
 marker that copies the prefix from a log is matched too. Class names are texts as well:
-tracebacks and `%s` of a class print them (`EngineDeadError`).
+tracebacks and `%s` of a class print them (`EngineDeadError`), followed by one value at most
+(`EngineDeadError:`), never by free text.
 
 Each text records the platforms it is confined to when it sits in the body of an
 `if current_platform.is_rocm():`-style branch or in a platform's own file; this is a heuristic
@@ -185,7 +186,7 @@ class _Collector(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        self.found.append(Source(self.path, node.lineno, (ANY, node.name, ANY), False,
+        self.found.append(Source(self.path, node.lineno, (ANY, node.name, None), False,
                                  self.platforms))
         self.generic_visit(node)
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from core_helpers import CliRunner
 
 from m3patch.marker_lint.cache import CACHE_SCHEMA, _read_cache, file_digests, tree_files, tree_key
@@ -57,6 +58,9 @@ def test_sources_read_percent_fstring_format_and_prefix() -> None:
             b"class EngineDeadError(Exception):\n    pass\n")
     shown = {s.shown() for s in file_sources("vllm/x.py", code)}
     assert {"Using … backend (…%).", "Bad …: fixed", "x=… y=…", "…EngineDeadError…"} <= shown
+    class_source = next(s for s in file_sources("vllm/x.py", code) if "EngineDeadError" in s.shown())
+    assert can_print(class_source.template, "vllm.v1.engine.exceptions.EngineDeadError:")
+    assert not can_print(class_source.template, "EngineDeadError and then any words")
     assert "…[…:5] Using … backend (…%)." in shown
     assert not any("doc string" in s for s in shown)
 
@@ -156,3 +160,18 @@ def test_a_malformed_cache_is_ignored(tmp_path: Path) -> None:
         assert _read_cache(cache, key) is None
     cache.write_text("{not json")
     assert _read_cache(cache, key) is None
+
+
+def test_recipe_validate_lints_markers_on_the_cached_tree(m3patch_cli: CliRunner,
+                                                          tmp_path: Path) -> None:
+    raw = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text(encoding="utf-8"))
+    raw["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    raw["markers"]["required"][0]["text"] = "Using CPUUnquantizedExperts MoE-backend"
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    proc = m3patch_cli("recipe", "validate", str(recipe), timeout=600)
+    assert proc.returncode == 23, proc.stderr
+    assert "cpu-moe-backend" in proc.stderr and "Perhaps you meant" in proc.stderr
+    assert "Using … MoE backend" in proc.stderr or "CPUUnquantizedExperts" in proc.stderr
+    skipped = m3patch_cli("recipe", "validate", "--no-lint-markers", str(recipe))
+    assert skipped.returncode == 0, skipped.stderr
