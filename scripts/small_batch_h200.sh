@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The device command for small-batch decode of the TP8 shape (one H200, torch+triton, no vLLM,
+# no network), from the repo root on the device, OUT set:
+#   bash scripts/small_batch_h200.sh [CARRY] [BATCHES]
+# CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py with
+# patch 0007 (split-K) applied: its kernel with split_k 1 is vLLM 0.33.0's unpatched kernel.
+#  1. tests/tune/test_tune_gpu.py with that kernel (the tuner's launch path unchanged at 1);
+#  2. scripts/small_batch_h200.py: launch and read floors, the small-batch sweep, the judge.
+# Results come back as results.tar + run.log (+ small-batch.txt, the table).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-$PWD/small-batch-out}
+CARRY=${1:-.devcarry}
+BATCHES=${2:-1,2,4}
+RES=/tmp/res
+source "$(dirname "$0")/device_preamble.sh"
+TABLES=docs/results/tune-h200/judged-tables
+
+log "stage 1: GPU tests"
+M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q \
+  tests/tune/test_tune_gpu.py > "$RES/gpu-tests.log" 2>&1
+log "gpu tests rc=$? $(tail -1 "$RES/gpu-tests.log")"; pack
+
+log "stage 2: small-batch sweep M=$BATCHES"
+python3 scripts/small_batch_h200.py --vllm-source "$CARRY" --tables "$TABLES" \
+  --batches "$BATCHES" --out "$RES/small-batch.json" > "$RES/small-batch.txt" \
+  2> "$RES/small-batch.log"
+log "small-batch rc=$?"; cat "$RES/small-batch.txt"; tail -5 "$RES/small-batch.log"
+cp "$RES/small-batch.txt" "$OUT/" 2>/dev/null
+log "done"; pack
