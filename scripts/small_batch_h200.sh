@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device command for small-batch decode of the TP8 shape (one H200, torch+triton, no vLLM,
 # no network), from the repo root on the device, OUT set:
-#   bash scripts/small_batch_h200.sh [CARRY] [BATCHES]
+#   bash scripts/small_batch_h200.sh [CARRY] [BATCHES] [END_S]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py with
 # patch 0007 (split-K) applied: its kernel with split_k 1 is vLLM 0.33.0's unpatched kernel.
 #  1. tests/tune/test_tune_gpu.py with that kernel (the tuner's launch path unchanged at 1);
@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/small-batch-out}
 CARRY=${1:-.devcarry}
 BATCHES=${2:-1,2,4}
+END=${3:-500}  # the sweep is stopped here so that what it saved still gets packed
 RES=/tmp/res
 source "$(dirname "$0")/device_preamble.sh"
 TABLES=docs/results/tune-h200/judged-tables
@@ -22,7 +23,7 @@ M3PATCH_TUNE_VLLM_SOURCE=$CARRY python3 -m pytest -m gpu --noconftest -p no:cach
 log "gpu tests rc=$? $(tail -1 "$RES/gpu-tests.log")"; pack
 
 log "stage 2: small-batch sweep M=$BATCHES"
-python3 scripts/small_batch_h200.py --vllm-source "$CARRY" --tables "$TABLES" \
+timeout $((END - SECONDS)) python3 scripts/small_batch_h200.py --vllm-source "$CARRY" --tables "$TABLES" \
   --batches "$BATCHES" --out "$RES/small-batch.json" > "$RES/small-batch.txt" \
   2> "$RES/small-batch.log"
 log "small-batch rc=$?"; cat "$RES/small-batch.txt"; tail -5 "$RES/small-batch.log"
