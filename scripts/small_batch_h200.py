@@ -103,30 +103,63 @@ def launch_floors(reps: int) -> dict[str, float]:
             f"two_launches_grids_{g1}_{g2}_us": graph_pass_us([empty(g1), empty(g2)], 16, reps)}
 
 
-def read_floor(batch: int, hit: float, reps: int) -> dict[str, float]:
-    """A pure read of the pass's bytes (w13 part and w2 part, one launch each), rotated over
-    buffers that together exceed the L2 three times, as the GEMM timing rotates its inputs."""
+def read_floor(batch: int, hit: float, reps: int, block: int = READ_BLOCK,
+               iters: int = READ_ITERS, launches: int = 2) -> dict[str, float]:
+    """A pure read of the pass's bytes (w13 part and w2 part, one launch each; or all in one
+    launch), rotated over buffers that together exceed the L2 three times, as the GEMM timing
+    rotates its inputs."""
     per_expert = expert_bytes(TP8)
     total = hit * per_expert
-    parts = (total * 2 / 3, total / 3)  # w13 is 2N x K, w2 is K x N (+ their scales)
+    # w13 is 2N x K, w2 is K x N (+ their scales)
+    parts = (total * 2 / 3, total / 3) if launches == 2 else (total,)
     rotations = max(2, min(16, -(-3 * l2_bytes() // int(total))))
     buffers = [[torch.ones(int(p) // 4, dtype=torch.int32, device="cuda") for p in parts]
                for _ in range(rotations)]
-    outs = [torch.empty(buf.numel() // (READ_BLOCK * READ_ITERS) + 1, dtype=torch.int32,
+    outs = [torch.empty(buf.numel() // (block * iters) + 1, dtype=torch.int32,
                         device="cuda") for buf in buffers[0]]
 
     def reader(which: int) -> Any:
         def run(index: int) -> None:
             buf = buffers[index][which]
-            _stream_read[(outs[which].numel(),)](buf, outs[which], buf.numel(), READ_BLOCK,
-                                                 READ_ITERS)
+            _stream_read[(outs[which].numel(),)](buf, outs[which], buf.numel(), block, iters)
         return run
 
-    us = graph_pass_us([reader(0), reader(1)], rotations, reps)
+    us = graph_pass_us([reader(i) for i in range(len(parts))], rotations, reps)
     buffers.clear()
     torch.cuda.empty_cache()
     return {"bytes": total, "read_us": us, "read_bandwidth_Bps": total / (us * 1e-6),
-            "rotations": rotations}
+            "rotations": rotations, "block_words": block, "iters": iters, "launches": launches}
+
+
+READ_VARIANTS = ((1024, 1), (1024, 4), (2048, 2), (2048, 4), (2048, 8), (4096, 4), (8192, 2))
+GEMM_SPLIT_CONFIGS = tuple(TileConfig(16, n, 128, 1, w, s, k) for n, w, s, k in (
+    (16, 1, 3, 1), (16, 2, 3, 1), (32, 2, 3, 1), (64, 4, 3, 1), (128, 4, 3, 1), (128, 8, 3, 1),
+    (32, 2, 3, 8), (64, 4, 3, 8), (64, 4, 4, 8), (128, 4, 3, 8), (64, 4, 3, 12), (32, 4, 3, 12)))
+
+
+def bounds(kernel: Any, batches: list[int], reps: int) -> dict[str, Any]:
+    """What bounds a pass: the pure read of its bytes over read-kernel shapes and one or two
+    launches (the best is the practical floor of a two-kernel pass), and GEMM1 / GEMM2 alone
+    for a set of configs (GEMM2 never splits: its K loop is 3 iterations)."""
+    out: dict[str, Any] = {"launch_floor": launch_floors(reps), "batches": {}}
+    bench = MoEBench(kernel, TP8)
+    for batch in batches:
+        hit = experts_hit(bench.setup(batch), TP8.num_experts)
+        reads = [read_floor(batch, hit, reps, b, i, n) for b, i in READ_VARIANTS for n in (1, 2)]
+        setup = bench.setup(batch)
+        gemms = []
+        for cfg in GEMM_SPLIT_CONFIGS:
+            try:
+                err = bench.check(setup, cfg)
+                gemms.append({"config": cfg.key, "rel_err": err,
+                              "gemm1_us": bench.time(setup, cfg, reps, gemm=0),
+                              "gemm2_us": bench.time(setup, cfg, reps, gemm=1),
+                              "pass_us": bench.time(setup, cfg, reps)})
+            except ConfigFailed as exc:
+                gemms.append({"config": cfg.key, "error": str(exc)[:300]})
+        out["batches"][str(batch)] = {"floor_us": floor_us(bench, batch), "experts_hit": hit,
+                                      "reads": reads, "gemms": gemms}
+    return out
 
 
 def sweep(bench: MoEBench, batch: int, configs: list[TileConfig], reps: int
@@ -199,7 +232,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--bounds", action="store_true",
+                        help="only the bounds: read floors, GEMM1/GEMM2 split (no sweep)")
     args = parser.parse_args()
+    if args.bounds:
+        source = load_kernel(args.vllm_source)
+        result = bounds(source.kernel, [int(b) for b in args.batches.split(",")], args.reps)
+        result.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
+                      kernel_origin=source.origin, floor_bandwidth_Bps=FLOOR_BW)
+        args.out.write_text(json.dumps(result, indent=1))
+        print_bounds(result)
+        return 0
     started = time.monotonic()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name()
@@ -261,6 +304,21 @@ def main() -> int:
     save()
     print_table(result)
     return 0
+
+
+def print_bounds(result: dict[str, Any]) -> None:
+    print(f"launch floor: {result['launch_floor']}")
+    for batch, entry in result["batches"].items():
+        best = min(entry["reads"], key=lambda r: r["read_us"])
+        print(f"M={batch} floor {entry['floor_us']:.2f} us; best pure read "
+              f"{best['read_us']:.2f} us ({best['read_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+              f"{best['launches']} launch(es), block {best['block_words']} x {best['iters']})")
+        for g in entry["gemms"]:
+            if "error" in g:
+                print(f"  {g['config']:<26} FAILED {g['error'][:80]}")
+                continue
+            print(f"  {g['config']:<26} gemm1 {g['gemm1_us']:6.2f} gemm2 {g['gemm2_us']:6.2f} "
+                  f"pass {g['pass_us']:6.2f} err {g['rel_err']:.2e}")
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -77,3 +77,37 @@ def reaches_target(floor_us: float, us: float, target: float = FLOOR_TARGET) -> 
 def time_at_target(floor_us: float, target: float = FLOOR_TARGET) -> float:
     """The pass time that would just reach `target` of the floor."""
     return floor_us / target
+
+
+def split_k_picks(run: Mapping[str, Any], tolerance: float) -> dict[int, dict[str, Any]]:
+    """From a small-batch run (scripts/small_batch_h200.py's JSON): per batch size the judge's
+    record for its fastest split-K config, kept only where the judge chose it over vLLM's
+    default and its relative error on both seeds is a number within `tolerance` (NaN fails)."""
+    picks: dict[int, dict[str, Any]] = {}
+    for batch, entry in run["batches"].items():
+        for detail in entry["details"]:
+            if detail["label"] != "best-split-k" or detail["judge"]["decision"] != "tuned":
+                continue
+            errors = (detail["rel_err"], detail["rel_err_fresh_seed"])
+            if all(isinstance(e, float) and e <= tolerance for e in errors):
+                picks[int(batch)] = detail["judge"]
+    return picks
+
+
+def confirmed(picks: Mapping[int, Mapping[str, Any]], checks: Sequence[Mapping[str, Any]]
+              ) -> dict[int, Mapping[str, Any]]:
+    """The picks that every `tune --check` run of the table holding them (each its own
+    process) also judged a win for the same config: one run's noise estimate can be beaten
+    by the scatter between processes, so a shipped entry needs both."""
+    kept: dict[int, Mapping[str, Any]] = {}
+    for batch, pick in picks.items():
+        rows = [next((r for r in _check_rows(c) if r["batch"] == batch), None) for c in checks]
+        if checks and all(r is not None and r["tuned_config"] == pick["tuned_config"]
+                          and r["verdict"] == "wins" for r in rows):
+            kept[batch] = pick
+    return kept
+
+
+def _check_rows(check: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    rows = check["per_batch"]
+    return list(rows.values()) if isinstance(rows, Mapping) else list(rows)
