@@ -39,7 +39,13 @@ from m3patch.tune.judge import measure
 from m3patch.tune.kernel_source import load_kernel
 from m3patch.tune.kernel_timer import ConfigFailed, MoEBench, experts_hit, l2_bytes
 from m3patch.tune.launch import GemmArgs, effective_split, grid_size
-from m3patch.tune.small_batch import Timed, candidate_configs, fastest, floor_fraction
+from m3patch.tune.small_batch import (
+    Timed,
+    candidate_configs,
+    extra_configs,
+    fastest,
+    floor_fraction,
+)
 from m3patch.tune.tile import TileConfig
 from m3patch.tune.writer import nearest_config, read_table
 
@@ -232,6 +238,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--space", choices=("small", "extra"), default="small",
+                        help="small: small_batch.candidate_configs; extra: extra_configs")
     parser.add_argument("--bounds", action="store_true",
                         help="only the bounds: read floors, GEMM1/GEMM2 split (no sweep)")
     args = parser.parse_args()
@@ -249,7 +257,8 @@ def main() -> int:
     table = read_table(args.tables / naming.table_file_name(TP8, device))
     shipped = {b: nearest_config(table, b) for b in batches}
     defaults = {b: naming.default_config(TP8, b) for b in batches}
-    configs = candidate_configs([*shipped.values(), *defaults.values()])
+    grid = candidate_configs if args.space == "small" else extra_configs
+    configs = grid([*shipped.values(), *defaults.values()])
     source = load_kernel(args.vllm_source)
     result: dict[str, Any] = {
         "device": device, "torch": torch.__version__, "triton": triton.__version__,

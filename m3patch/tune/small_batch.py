@@ -41,6 +41,17 @@ def candidate_configs(extra: Iterable[TileConfig] = ()) -> list[TileConfig]:
     return sorted({*plain, *split, *extra})
 
 
+def extra_configs(extra: Iterable[TileConfig] = ()) -> list[TileConfig]:
+    """A second grid around the first one's winners: 2-stage pipelines (GEMM2's K loop is 3
+    iterations long) and 64-deep K tiles (half the bytes per load, twice the iterations to
+    split), with and without split-K, plus `extra`."""
+    two_stage = [TileConfig(BLOCK_M, n, 128, 1, w, 2, k)
+                 for n, w, k in itertools.product(SPLIT_N, SPLIT_WARPS, (1, *SPLITS))]
+    k64 = [TileConfig(BLOCK_M, n, 64, 1, w, s, k)
+           for n, w, s, k in itertools.product((32, 64), SPLIT_WARPS, (3, 4), (1, 4, 8, 12))]
+    return sorted({*two_stage, *k64, *extra})
+
+
 @dataclass(frozen=True)
 class Timed:
     """One config's quick result at one batch size: microseconds and relative error."""
