@@ -37,7 +37,7 @@ def _warm(job: Job) -> list[tuple[str, int, str]]:
 
     # deferred: inputs imports torch/triton at load
     from m3patch.tune import inputs
-    from m3patch.tune.launch import GemmArgs, launch
+    from m3patch.tune.launch import GemmArgs, launch, with_splitk_buffers
 
     raw_shape, batch, raw_configs = job
     shape = MoEShape(**{**raw_shape, "block_shape": tuple(raw_shape["block_shape"])
@@ -56,13 +56,14 @@ def _warm(job: Job) -> list[tuple[str, int, str]]:
         align = (inputs.naive_alignment(prob.topk_ids, cfg.block_m)
                  if uses_naive_assignment(shape, batch)
                  else inputs.moe_align_block_size(prob.topk_ids, cfg.block_m, shape.num_experts))
+        gemms = (GemmArgs(prob.a, weights.w13, c1, prob.a_scale, weights.w13_scale,
+                          prob.topk_weights, align, False, shape.top_k),
+                 GemmArgs(prob.inter, weights.w2, c2, prob.inter_scale, weights.w2_scale,
+                          prob.topk_weights, align, True, 1))
         try:
-            launch(_STATE["kernel"], GemmArgs(prob.a, weights.w13, c1, prob.a_scale,
-                   weights.w13_scale, prob.topk_weights, align, False, shape.top_k), cfg,
-                   block_shape=shape.block_shape, capability=capability)
-            launch(_STATE["kernel"], GemmArgs(prob.inter, weights.w2, c2, prob.inter_scale,
-                   weights.w2_scale, prob.topk_weights, align, True, 1), cfg,
-                   block_shape=shape.block_shape, capability=capability)
+            for args in with_splitk_buffers(gemms, cfg, shape.block_shape):
+                launch(_STATE["kernel"], args, cfg, block_shape=shape.block_shape,
+                       capability=capability)
             torch.cuda.synchronize()
         except Exception as exc:  # OutOfResources and compile errors rule the config out
             failures.append((cfg.key, batch, f"{type(exc).__name__}: {str(exc)[:160]}"))
@@ -75,8 +76,8 @@ def make_jobs(shape: MoEShape, plan: dict[int, list[TileConfig]], chunk: int) ->
         for start in range(0, len(configs), chunk):
             part = configs[start : start + chunk]
             yield raw_shape, batch, [
-                (c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages)
-                for c in part]
+                (c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages,
+                 c.split_k) for c in part]
 
 
 def precompile(jobs: list[Job], *, workers: int, vllm_source: Path | None,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from m3patch.tune import inputs
-from m3patch.tune.launch import GemmArgs, launch
+from m3patch.tune.launch import GemmArgs, SplitKBuffers, launch, with_splitk_buffers
 from m3patch.tune.routing import Routing
 from m3patch.tune.shapes import MoEShape
 from m3patch.tune.space import TileConfig, uses_naive_assignment
@@ -41,6 +41,7 @@ class BatchSetup:
     c2: list[Any]
     aligned: dict[int, list[inputs.Alignment]] = field(default_factory=dict)
     checked: set[TileConfig] = field(default_factory=set)
+    splitk: dict[TileConfig, SplitKBuffers] = field(default_factory=dict)
 
 
 def l2_bytes() -> int:
@@ -112,16 +113,36 @@ class MoEBench:
                 for p in setup.problems]
         return setup.aligned[block_m]
 
-    def _launch_set(self, setup: BatchSetup, cfg: TileConfig, index: int) -> None:
+    def _gemm_args(self, setup: BatchSetup, cfg: TileConfig, index: int
+                   ) -> tuple[GemmArgs, GemmArgs]:
         prob, align = setup.problems[index], self._alignments(setup, cfg.block_m)[index]
         w = self.weights
         gemm1 = GemmArgs(prob.a, w.w13, setup.c1[index], prob.a_scale, w.w13_scale,
                          prob.topk_weights, align, False, self.shape.top_k)
         gemm2 = GemmArgs(prob.inter, w.w2, setup.c2[index], prob.inter_scale, w.w2_scale,
                          prob.topk_weights, align, True, 1)
-        for args in (gemm1, gemm2):
-            launch(self.kernel, args, cfg, block_shape=self.shape.block_shape,
-                   capability=self.capability)
+        return gemm1, gemm2
+
+    def _with_splitk(self, setup: BatchSetup, cfg: TileConfig,
+                     gemms: tuple[GemmArgs, GemmArgs]) -> tuple[GemmArgs, ...]:
+        """One workspace and counter set per config, shared by every launch of the pass.
+        Allocated when the config is first checked, never inside graph capture."""
+        if cfg.split_k == 1:
+            return gemms
+        if cfg not in setup.splitk:
+            first = with_splitk_buffers(gemms, cfg, self.shape.block_shape)[0]
+            assert first.splitk is not None
+            setup.splitk[cfg] = first.splitk
+        return tuple(replace(args, splitk=setup.splitk[cfg]) for args in gemms)
+
+    def _launch_set(self, setup: BatchSetup, cfg: TileConfig, index: int,
+                    gemm: int | None = None) -> None:
+        """Launch GEMM1 then GEMM2 of rotation set `index` (only one of them: `gemm` 0 or 1)."""
+        gemms = self._with_splitk(setup, cfg, self._gemm_args(setup, cfg, index))
+        for position, args in enumerate(gemms):
+            if gemm is None or gemm == position:
+                launch(self.kernel, args, cfg, block_shape=self.shape.block_shape,
+                       capability=self.capability)
 
     def check(self, setup: BatchSetup, cfg: TileConfig) -> float:
         """Poison the outputs, run rotation set 0, compare both GEMMs with the reference."""
@@ -143,8 +164,10 @@ class MoEBench:
         setup.checked.add(cfg)
         return worst
 
-    def time(self, setup: BatchSetup, cfg: TileConfig, reps: int) -> float:
-        """Median microseconds of one GEMM1+GEMM2 pass, over `reps` graph replays.
+    def time(self, setup: BatchSetup, cfg: TileConfig, reps: int, gemm: int | None = None
+             ) -> float:
+        """Median microseconds of one GEMM1+GEMM2 pass, over `reps` graph replays (`gemm` 0
+        or 1: that GEMM alone, to split a pass's time between the two).
 
         A config not yet checked on these inputs (one whose quick result came from the cache)
         is checked first: that also aligns the routing for its BLOCK_SIZE_M and compiles it,
@@ -154,7 +177,7 @@ class MoEBench:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for index in range(len(setup.problems)):
-                self._launch_set(setup, cfg, index)
+                self._launch_set(setup, cfg, index, gemm)
         graph.replay()  # warm-up: first replay uploads the graph
         cuda: Any = torch.cuda  # torch's Event constructor is untyped
         starts = [cuda.Event(enable_timing=True) for _ in range(reps)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from m3patch.tune.cache import ResultCache
 
-_KEY = re.compile(r"M(\d+)-N(\d+)-K(\d+)-G(\d+)-w(\d+)-s(\d+)")
+_KEY = re.compile(r"M(\d+)-N(\d+)-K(\d+)-G(\d+)-w(\d+)-s(\d+)(?:-k(\d+))?")
 
 
 @dataclass(frozen=True, order=True)
@@ -27,11 +27,15 @@ class TileConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # K slices per C tile: only a kernel patched for split-K (patch 0007) runs more than 1;
+    # at 1 the key and the table entry are spelled as vLLM's own
+    split_k: int = 1
 
     @property
     def key(self) -> str:
+        split = f"-k{self.split_k}" if self.split_k > 1 else ""
         return (f"M{self.block_m}-N{self.block_n}-K{self.block_k}-G{self.group_m}"
-                f"-w{self.num_warps}-s{self.num_stages}")
+                f"-w{self.num_warps}-s{self.num_stages}{split}")
 
     @classmethod
     def from_key(cls, key: str) -> TileConfig:
@@ -40,18 +44,22 @@ class TileConfig:
         if match is None:
             msg = f"{key!r} is not a tile key like M16-N64-K128-G1-w4-s3"
             raise ValueError(msg)
-        return cls(*(int(group) for group in match.groups()))
+        return cls(*(int(group) for group in match.groups() if group is not None))
 
     def to_vllm(self) -> dict[str, int]:
         """The dict vLLM's table holds for one batch size (and passes as **config)."""
-        return {"BLOCK_SIZE_M": self.block_m, "BLOCK_SIZE_N": self.block_n,
-                "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+        entry = {"BLOCK_SIZE_M": self.block_m, "BLOCK_SIZE_N": self.block_n,
+                 "BLOCK_SIZE_K": self.block_k, "GROUP_SIZE_M": self.group_m,
+                 "num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.split_k > 1:
+            entry["SPLIT_K"] = self.split_k
+        return entry
 
     @classmethod
     def from_vllm(cls, entry: dict[str, int]) -> TileConfig:
         return cls(entry["BLOCK_SIZE_M"], entry["BLOCK_SIZE_N"], entry["BLOCK_SIZE_K"],
-                   entry["GROUP_SIZE_M"], entry["num_warps"], entry["num_stages"])
+                   entry["GROUP_SIZE_M"], entry["num_warps"], entry["num_stages"],
+                   entry.get("SPLIT_K", 1))
 
 
 def refine_candidates(timed: list[tuple[float, TileConfig]], top: int,

@@ -117,6 +117,8 @@ def test_dry_runs_take_no_lock_and_create_nothing(
 
 MODELOPT = "vllm/model_executor/layers/quantization/modelopt.py"
 FUSED_MOE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
+# written by one patch only (fused_moe.py is written by two: the table lookup and split-K)
+MTP = "vllm/models/minimax_m3/amd/mtp.py"
 
 
 def test_a_missing_patched_file_is_named_and_exits_5(
@@ -153,27 +155,27 @@ def test_a_file_edited_after_apply_is_modified_not_upstreamed(
     series = REPO / "patches" / "vllm-0.33.0"
     args = ("--vllm-root", str(vllm_tree), "--series", str(series))
     assert m3patch_cli("apply", *args).returncode == 0
-    fused = vllm_tree / FUSED_MOE
-    replace_file(fused, b"# edited by hand after apply\n" + fused.read_bytes())
+    edited = vllm_tree / MTP
+    replace_file(edited, b"# edited by hand after apply\n" + edited.read_bytes())
     code, out, err = status(m3patch_cli, vllm_tree, series, "--json")
     assert code == errors.PatchConflict.exit_code, err
     report = json.loads(out)
-    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "modified-after-apply"
-    tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
-    assert tables["can_drop"] is False and tables["state"] == "conflict"
+    assert {f["path"]: f["state"] for f in report["files"]}[MTP] == "modified-after-apply"
+    mtp = next(p for p in report["patches"] if p["id"] == "minimax-m3-mtp-fse")
+    assert mtp["can_drop"] is False and mtp["state"] == "conflict"
     assert not any("re-applies" in n for n in report["notes"])
     verify = m3patch_cli("verify", *args)
     assert verify.returncode == errors.VerifyFailed.exit_code
-    assert f"{FUSED_MOE}: modified after apply" in verify.stderr
+    assert f"{MTP}: modified after apply" in verify.stderr
     again = m3patch_cli("apply", *args)
     assert again.returncode == errors.PatchConflict.exit_code
-    assert f"{FUSED_MOE}: modified after apply" in again.stderr
+    assert f"{MTP}: modified after apply" in again.stderr
     (vllm_tree / "vllm/.m3patch/ledger.json").unlink()  # no record of who wrote it
     code, out, _ = status(m3patch_cli, vllm_tree, series, "--json")
     report = json.loads(out)
-    assert {f["path"]: f["state"] for f in report["files"]}[FUSED_MOE] == "upstreamed"
-    tables = next(p for p in report["patches"] if p["id"] == "tuned-moe-tables")
-    assert tables["can_drop"] is True and code == errors.PatchConflict.exit_code
+    assert {f["path"]: f["state"] for f in report["files"]}[MTP] == "upstreamed"
+    mtp = next(p for p in report["patches"] if p["id"] == "minimax-m3-mtp-fse")
+    assert mtp["can_drop"] is True and code == errors.PatchConflict.exit_code
 
 
 def test_process_edges_end_in_documented_codes(

@@ -8,6 +8,7 @@ import py_compile
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from m3patch.patching.api import apply_series, revert_series, verify_tree
 from m3patch.patching.diffs import parse_patch
 from m3patch.patching.locate import tree_at
-from m3patch.patching.pristine import verify_against_record
+from m3patch.patching.pristine import copy_tree, verify_against_record
 from m3patch.patching.series import load_series
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,11 +110,19 @@ def test_table_lookup_order(vllm_tree: Path) -> None:
 
 def test_make_patch_reproduces_the_committed_patches(pristine_033: Path, vllm_tree: Path,
                                                      tmp_path: Path) -> None:
-    apply_series(tree_at(vllm_tree), load_series(SERIES))
+    """0002-0004 against the pristine tree; 0007 (split-K, which edits fused_moe.py after
+    0004 did) against the tree with 0001-0006 applied."""
+    series = load_series(SERIES)
+    upto = next(i for i, e in enumerate(series.patches) if e.id == "moe-split-k")
+    base = copy_tree(pristine_033, tmp_path / "base" / "site-packages")
+    apply_series(tree_at(base), replace(series, patches=series.patches[:upto]))
+    apply_series(tree_at(vllm_tree), series)
     script = REPO / "scripts" / "make_patch.py"
-    for patch in sorted(SERIES.glob("000[234]-*.patch")):
+    for patch in sorted([*SERIES.glob("000[234]-*.patch"), *SERIES.glob("0007-*.patch")]):
         files = [fp.path for fp in parse_patch(patch.read_bytes(), patch.name).files]
         out = tmp_path / patch.name
-        subprocess.run([sys.executable, str(script), "--base", str(pristine_033), "--edited",
-                        str(vllm_tree), "-o", str(out), *files], check=True)
+        before, after = ((base, vllm_tree) if patch.name.startswith("0007")
+                         else (pristine_033, base))
+        subprocess.run([sys.executable, str(script), "--base", str(before), "--edited",
+                        str(after), "-o", str(out), *files], check=True)
         assert out.read_bytes() == patch.read_bytes(), patch.name
