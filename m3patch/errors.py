@@ -23,6 +23,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
+| 25   | NodeMismatch          | a node of a multi-node set runs another series, ledger, or an unverified tree |
+| 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -122,6 +124,14 @@ class ModelMissing(M3PatchError):
     exit_code = 19
 
 
+class NodeMismatch(M3PatchError):
+    exit_code = 25
+
+
+class NodeLost(M3PatchError):
+    exit_code = 26
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -132,5 +142,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    Interrupted,
+    NodeMismatch, NodeLost, Interrupted,
 )

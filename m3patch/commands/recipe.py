@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3patch.bench.spec import recipe_cells
+from m3patch.cluster.node_plan import plan_set
 from m3patch.errors import M3PatchError
 from m3patch.output import info, table
-from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers, plan_launch
 
@@ -63,6 +64,26 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+    if recipe.topology is not None:
+        print("\n".join(topology_lines(recipe, interpreter)))
+
+
+def topology_lines(recipe: Recipe, python: str) -> list[str]:
+    """Every node of the set: its `serve --role/--rank` command, argv, env and gate."""
+    assert recipe.topology is not None
+    topo = recipe.topology
+    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous RUN/nodes/*.json"
+           + (f"; DP size {topo.dp_size}, address {topo.address}:{topo.rpc_port}" if topo.is_dp else "")]
+    for plan in plan_set(recipe, python, recipe.results_dir / "<run>"):
+        role = plan.role
+        out += [f"# node {plan.node} (role {role.name}: {role.kind}, {role.nodes} node(s), local DP "
+                f"{role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) per node)",
+                f"#   run there: m3patch serve {recipe.path} --role {plan.node.role} "
+                f"--rank {plan.node.rank} --run-dir RUN",
+                "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.plan.env_overrides) + " \\",
+                "  " + shlex.join(plan.argv)]
+        out += ["  " + line for line in marker_lines(plan.plan.markers)]
+    return out
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
