@@ -25,7 +25,7 @@ from typing import IO
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import require_topology
 from m3patch.cluster.shm import ShmTracker
-from m3patch.errors import NodeLost, NodeMismatch
+from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.output import info
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.topology import NodeId
@@ -135,7 +135,7 @@ class LocalSet:
 def _records_or_empty(run_dir: Path) -> dict[NodeId, rv.NodeRecord]:
     try:
         return rv.read_records(run_dir)
-    except rv.ResultsInvalid:
+    except ResultsInvalid:
         return {}  # a record being written is read on the next poll
 
 

@@ -78,7 +78,7 @@ class NodeRun:
             with ShmTracker(self._pids) as shm:
                 try:
                     self._start_and_gate()
-                    info(f"node {self.node} ready; log {self.plan.spec.log_path if self.plan else ''}")
+                    info(f"node {self.node} ready; log {node_log(self.run_dir, self.node)}")
                     if not stop_after_ready:
                         self._watch(hold_s)
                 finally:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
 from m3patch.recipe.launch import flatten_vllm_args
+from m3patch.recipe.paths import expand
 from m3patch.schema import (
     SchemaError,
     at_key,
@@ -145,7 +146,8 @@ def topology(data: dict[str, Any], *, source: str) -> Topology | None:
         return None
     check_keys(data, required=("roles",), optional=("address", "rpc-port"))
     with at_key("address"):
-        address = expect_str(data.get("address", "127.0.0.1"))
+        # ${M3PATCH_HEAD_ADDR:-127.0.0.1}: the Slurm job exports the first host of its allocation
+        address = expand(expect_str(data.get("address", "127.0.0.1")))
     with at_key("rpc-port"):
         rpc_port = _port(data.get("rpc-port", DEFAULT_RPC_PORT))
     roles = []
@@ -194,7 +196,7 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         if marker_gates.counts or marker_gates.waivers:
             msg = "a role states counts on its own markers (per worker); counts/waive are not allowed here"
             raise SchemaError(msg)
-    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers)  # type: ignore[arg-type]
+    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers)
     _check_role(role)
     return role
 

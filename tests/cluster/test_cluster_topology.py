@@ -1,0 +1,136 @@
+"""Topology recipes: schema, per-worker marker counts, DP ranks, every node's argv; the rendezvous
+records read back as hostile input and compared (pure; no server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.node_plan import plan_node, plan_set
+from m3patch.cluster.proxy import prefill_body
+from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
+from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.topology import NodeId
+from m3patch.schema import SchemaError
+
+REPO = Path(__file__).resolve().parents[2]
+DP2 = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
+DIGEST = "ab" * 32
+
+
+def variant(tmp_path: Path, edit: dict[str, object], base: Path = DP2) -> Path:
+    data = yaml.safe_load(base.read_text())
+    data.update(edit)
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_dp2_nodes_ranks_and_argv() -> None:
+    recipe = load_recipe(DP2)
+    topo = recipe.topology
+    assert topo is not None and topo.dp_size == 2
+    assert topo.nodes() == (NodeId("node", 0), NodeId("head", 0))  # head last: it reports ready
+    assert topo.head == NodeId("head", 0)
+    plans = {p.node: p for p in plan_set(recipe, "/py", Path("/run"))}
+    head, node = plans[NodeId("head", 0)].argv, plans[NodeId("node", 0)].argv
+    assert "--headless" not in head and head[head.index("--port") + 1] == "8775"
+    assert head[head.index("--data-parallel-size") + 1] == "2"
+    assert node[node.index("--data-parallel-start-rank") + 1] == "1"
+    assert "--headless" in node and node[node.index("--data-parallel-rpc-port") + 1] == "13385"
+    assert dict(plans[NodeId("node", 0)].plan.env_overrides)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_headless_node_is_not_gated_on_the_provenance_line() -> None:
+    recipe = load_recipe(DP2)
+    head = plan_node(recipe, NodeId("head", 0), "/py", Path("/l"), DIGEST)
+    node = plan_node(recipe, NodeId("node", 0), "/py", Path("/l"), DIGEST)
+    assert {"provenance", "provenance-ledger"} <= {m.id for m in head.plan.markers}
+    assert not {"provenance", "provenance-ledger"} & {m.id for m in node.plan.markers}
+    # forbidden provenance markers still apply everywhere
+    assert "provenance-bad-ledger" in {m.id for m in node.plan.markers}
+
+
+def test_marker_counts_are_per_worker(tmp_path: Path) -> None:
+    data = yaml.safe_load(DP2.read_text())
+    data["topology"]["roles"]["node"]["local-dp"] = 3
+    data["parallelism"] = {"tp": 2}
+    path = variant(tmp_path, data)
+    recipe = load_recipe(path)
+    node = plan_node(recipe, NodeId("node", 0), "/py", Path("/l"), None)
+    counts = {m.id: m.count for m in node.plan.markers}
+    assert counts["cpu-moe-backend"] == 6  # 1 per worker x local DP 3 x TP 2
+    assert recipe.topology is not None and recipe.topology.dp_size == 4
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"roles": {"n": {"kind": "dp-headless"}}}, "exactly one dp-head"),
+    ({"roles": {"h": {"kind": "dp-head", "nodes": 2}}}, "exactly one node"),
+    ({"roles": {"h": {"kind": "dp-hed"}}}, "unknown role kind"),
+    ({"roles": {"h": {"kind": "dp-head", "vllm-args": {"data-parallel-size": 4}}}}, "set by m3patch"),
+    ({"roles": {"h": {"kind": "dp-head"}, "p": {"kind": "prefill", "port": 9}}}, "either data-parallel"),
+    ({"roles": {"p": {"kind": "prefill", "port": 9}, "x": {"kind": "proxy"}}}, "needs a decode"),
+    ({"roles": {"p": {"kind": "prefill"}, "d": {"kind": "decode", "port": 8},
+                "x": {"kind": "proxy"}}}, "needs its own port"),
+    ({"roles": {"h": {"kind": "dp-head", "markers": {"counts": {"a": 1}}}}}, "counts/waive"),
+    ({"roles": {"h": {"kind": "dp-head"}}, "rpc-port": 70000}, "above 65535"),
+])
+def test_bad_topologies_are_refused(tmp_path: Path, edit: dict[str, object], message: str) -> None:
+    path = variant(tmp_path, {"topology": edit})
+    with pytest.raises(SchemaError, match=message):
+        load_recipe(path)
+
+
+def test_recipe_level_counts_are_refused_with_a_topology(tmp_path: Path) -> None:
+    data = yaml.safe_load(DP2.read_text())
+    data["markers"]["required"][0]["count"] = 1
+    with pytest.raises(SchemaError, match="counts go on the roles"):
+        load_recipe(variant(tmp_path, data))
+
+
+def record(role: str, **kw: object) -> rv.NodeRecord:
+    fields: dict[str, object] = {"role": role, "rank": 0, "host": "h", "pid": 1, "pgid": 2,
+                                 "series": "vllm-0.32.0", "ledger_sha256": DIGEST, "verified": True,
+                                 "state": "ready"}
+    fields.update(kw)
+    return rv.NodeRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_rendezvous_round_trip_and_compare(tmp_path: Path) -> None:
+    rv.publish(tmp_path, record("node"))
+    records = rv.read_records(tmp_path)
+    expected = (NodeId("node", 0), NodeId("late", 0))
+    assert rv.compare(expected, records, "vllm-0.32.0", DIGEST, "fix") == [NodeId("late", 0)]
+    with pytest.raises(NodeMismatch, match=r"node node/0 .* runs series vllm-0.32.0 ledger sha256:abab"):
+        rv.compare(expected, records, "vllm-0.32.0", "cd" * 32, "fix")
+    rv.publish(tmp_path, record("node", verified=False))
+    with pytest.raises(NodeMismatch, match="did not verify"):
+        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+    rv.publish(tmp_path, record("node", state="exited", exit_code=18, reason="died"))
+    with pytest.raises(NodeLost, match=r"node node/0 .* exited with status 18: died"):
+        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+
+
+@pytest.mark.parametrize("bad", [
+    {"state": "dancing"}, {"ledger_sha256": "xyz"}, {"rank": "0"}, {"verified": "yes"},
+    {"schema": 2}, {"role": "other"},
+])
+def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> None:
+    rv.publish(tmp_path, record("node"))
+    path = rv.record_path(tmp_path, NodeId("node", 0))
+    data = {**json.loads(path.read_text()), **bad}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultsInvalid):
+        rv.read_records(tmp_path)
+
+
+def test_proxy_prefill_request_is_one_token_without_streaming() -> None:
+    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False}
+    assert body["max_tokens"] == 50  # the decode request is the original
