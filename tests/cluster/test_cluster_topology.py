@@ -4,6 +4,8 @@ records read back as hostile input and compared (pure; no server)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import plan_node, plan_set
 from m3patch.cluster.proxy import prefill_body
+from m3patch.cluster.slurm import sbatch_script, sweep_array_script, task_table
 from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.topology import NodeId
@@ -134,3 +137,61 @@ def test_proxy_prefill_request_is_one_token_without_streaming() -> None:
             "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
     assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False}
     assert body["max_tokens"] == 50  # the decode request is the original
+
+
+def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
+    recipe = load_recipe(DP2)
+    assert task_table(recipe) == [("node", 0), ("head", 0)]
+    script = sbatch_script(recipe, Path("/shared/run"))
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "srun --kill-on-bad-exit=1 --ntasks=2" in script
+    assert '--output="$RUN/logs/task-%t.out"' in script
+    assert "roles=(node:0 head:0)" in script
+    assert 'exec m3patch serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
+    assert 'source "${M3PATCH_SITE_HOOK}"' in script
+    assert '"$RUN/nodes/head-0.json"' in script and "m3patch bench" in script
+    array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
+    assert "#SBATCH --array=0-2" in array and "cells=(a b c)" in array
+    assert '--only "${cells[$SLURM_ARRAY_TASK_ID]}"' in array
+
+
+NODES_BY_RECIPE = {"mi355x_tp4_pd": ("prefill/0", "decode/0", "proxy/0"),
+                   "mi300x_ep16_2node": ("head/0", "node/0"),
+                   "cpu_tiny_moe_dp2": ("head/0", "node/0")}
+
+
+@pytest.mark.parametrize("name", sorted(NODES_BY_RECIPE))
+def test_topologies_render_every_node(name: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", name, "--dry-run"],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "topology:" in proc.stdout
+    for node in NODES_BY_RECIPE[name]:
+        assert f"# node {node} " in proc.stdout
+
+
+def test_gpu_topologies_plan() -> None:
+    pd = load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml")
+    prefill = plan_node(pd, NodeId("prefill", 0), "/py", Path("/l"), None).argv
+    assert '"kv_connector":"MoRIIOConnector"' in prefill[prefill.index("--kv-transfer-config") + 1]
+    proxy = plan_node(pd, NodeId("proxy", 0), "/py", Path("/l"), None).argv
+    assert proxy[1:3] == ("-m", "m3patch.cluster.proxy")
+    assert proxy[proxy.index("--prefill") + 1] == "http://127.0.0.1:8100"
+    assert proxy[proxy.index("--decode") + 1] == "http://127.0.0.1:8200"
+    ep = load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml")
+    assert ep.topology is not None and ep.topology.dp_size == 16
+    node = plan_node(ep, NodeId("node", 0), "/py", Path("/l"), None)
+    assert node.argv[node.argv.index("--data-parallel-start-rank") + 1] == "8"
+    assert {m.id: m.count for m in node.plan.markers}["block-fp8-layer-per-worker"] == 8
+
+
+@pytest.mark.parametrize(("recipe", "extra", "message"), [
+    ("cpu_tiny_moe_dp2", ["--role", "head"], "go together"),
+    ("cpu_tiny_moe_dp2", ["--role", "nobody", "--rank", "0"], "no role 'nobody'"),
+    ("cpu_tiny_moe_dp2", ["--role", "node", "--rank", "3"], "ranks 0..0"),
+    ("cpu_tiny_moe", ["--role", "h", "--rank", "0"], "no `topology:` section"),
+])
+def test_role_and_rank_errors_exit_2(recipe: str, extra: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", recipe, *extra],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
