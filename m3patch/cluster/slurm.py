@@ -27,7 +27,7 @@ def task_table(recipe: Recipe) -> list[tuple[str, int]]:
 
 
 def sbatch_script(recipe: Recipe, run_dir: Path, *, partition: str | None = None,
-                  time_limit: str = "02:00:00") -> str:
+                  time_limit: str = "02:00:00", sweep: bool = True) -> str:
     topo = require_topology(recipe)
     table = task_table(recipe)
     head = topo.head
@@ -48,7 +48,7 @@ mkdir -p "$RUN/logs"
 # Site hook: define m3patch_exec to wrap the container runtime (pyxis, apptainer, ...).
 m3patch_exec() {{ "$@"; }}
 if [ -n "${{{SITE_HOOK_VAR}:-}}" ]; then source "${{{SITE_HOOK_VAR}}}"; fi
-# The DP head's address: the first host of the allocation (SLURM_PROCID 0 runs the first node).
+# The DP head runs as the last task, on the last host of the allocation (block distribution).
 HEAD_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n {len(table)}p)
 export M3PATCH_HEAD_ADDR="${{M3PATCH_HEAD_ADDR:-$HEAD_HOST}}"
 # SLURM_PROCID -> role:rank ({roles}); the head ({head}) is the last task.
@@ -57,22 +57,27 @@ cat > "$RUN/tasks.sh" <<'TASKS'
 set -euo pipefail
 roles=({roles})
 pair=${{roles[$SLURM_PROCID]}}
-exec m3patch serve "$RECIPE" --role "${{pair%%:*}}" --rank "${{pair##*:}}" --run-dir "$RUN" --quiet
+exec $M3PATCH_CMD serve "$RECIPE" --role "${{pair%%:*}}" --rank "${{pair##*:}}" --run-dir "$RUN" --quiet
 TASKS
 chmod +x "$RUN/tasks.sh"
-export RUN RECIPE
+M3PATCH_CMD="${{M3PATCH_CMD:-m3patch}}"   # e.g. "python -m m3patch" in a checkout
+export RUN RECIPE M3PATCH_CMD
 # --kill-on-bad-exit: one task's failure ends every task (no orphaned headless node).
 m3patch_exec srun --kill-on-bad-exit=1 --ntasks={len(table)} --ntasks-per-node=1 \\
   --output="$RUN/logs/task-%t.out" "$RUN/tasks.sh" &
 SET=$!
-# The sweep runs from the batch step once the head's rendezvous record says ready.
-until grep -q '"state": "ready"' "$RUN/nodes/{head.slug}.json" 2>/dev/null; do
+{_sweep(head.slug, recipe.port) if sweep else 'wait "$SET"'}
+"""
+
+
+def _sweep(head_slug: str, port: int) -> str:
+    return f"""# The sweep runs from the batch step once the head's rendezvous record says ready.
+until grep -q '"state": "ready"' "$RUN/nodes/{head_slug}.json" 2>/dev/null; do
   kill -0 "$SET" 2>/dev/null || {{ wait "$SET"; exit $?; }}
   sleep 5
 done
-m3patch bench "$RECIPE" --url "http://$M3PATCH_HEAD_ADDR:{recipe.port}" --run-dir "$RUN/bench"
-kill -INT "$SET"; wait "$SET" || true
-"""
+$M3PATCH_CMD bench "$RECIPE" --url "http://$M3PATCH_HEAD_ADDR:{port}" --run-dir "$RUN/bench"
+kill -INT "$SET"; wait "$SET" || true"""
 
 
 def sweep_array_script(recipe: Recipe, run_dir: Path, cell_ids: list[str], url: str) -> str:
@@ -86,6 +91,6 @@ def sweep_array_script(recipe: Recipe, run_dir: Path, cell_ids: list[str], url: 
 #SBATCH --output={run_dir}/logs/cell-%a.out
 set -euo pipefail
 cells=({ids})
-m3patch bench {shlex.quote(str(recipe.path))} --url {shlex.quote(url)} \\
+${{M3PATCH_CMD:-m3patch}} bench {shlex.quote(str(recipe.path))} --url {shlex.quote(url)} \\
   --run-dir {shlex.quote(str(run_dir))}/bench --resume --only "${{cells[$SLURM_ARRAY_TASK_ID]}}"
 """

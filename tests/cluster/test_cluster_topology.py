@@ -147,7 +147,7 @@ def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
     assert "srun --kill-on-bad-exit=1 --ntasks=2" in script
     assert '--output="$RUN/logs/task-%t.out"' in script
     assert "roles=(node:0 head:0)" in script
-    assert 'exec m3patch serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
+    assert 'exec $M3PATCH_CMD serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
     assert 'source "${M3PATCH_SITE_HOOK}"' in script
     assert '"$RUN/nodes/head-0.json"' in script and "m3patch bench" in script
     array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
