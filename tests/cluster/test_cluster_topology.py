@@ -149,7 +149,7 @@ def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
     assert "roles=(node:0 head:0)" in script
     assert 'exec $M3PATCH_CMD serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
     assert 'source "${M3PATCH_SITE_HOOK}"' in script
-    assert '"$RUN/nodes/head-0.json"' in script and "m3patch bench" in script
+    assert '"$RUN/nodes/head-0.json"' in script and '$M3PATCH_CMD bench "$RECIPE"' in script
     array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
     assert "#SBATCH --array=0-2" in array and "cells=(a b c)" in array
     assert '--only "${cells[$SLURM_ARRAY_TASK_ID]}"' in array
