@@ -41,8 +41,15 @@ class LiveSet:
         return rv.read_records(self.run_dir)
 
 
+def shm_since(start: float) -> list[Path]:
+    """vLLM's /dev/shm files created after `start` (serve tests hold the serve lock: ours)."""
+    return [p for p in Path("/dev/shm").iterdir()
+            if p.name.startswith(("psm_", "sem.mp-")) and p.stat().st_mtime >= start]
+
+
 @pytest.fixture
 def live_set(cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> Iterator[LiveSet]:
+    started = time.time()
     run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
     env = {**os.environ, "M3PATCH_CPU_VENV": str(cpu_venv), "M3PATCH_TINY_MODEL": str(tiny_model)}
     with err.open("w") as fh:
@@ -62,6 +69,7 @@ def live_set(cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> Iterator[LiveS
         proc.wait(timeout=TEARDOWN_S + 30)
     for pgid in pgids:
         assert group_members(pgid) == [], f"process group {pgid} outlived the set"
+    assert shm_since(started) == [], "the set left /dev/shm files behind"
 
 
 def complete(port: int) -> dict[str, object]:
