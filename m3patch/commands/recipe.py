@@ -55,6 +55,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
+    if recipe.topology is not None:
+        print("# a multi-node set: the single-server base below; each node's own command follows it")
     print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
     print("  " + shlex.join(plan.spec.argv))
     print("\n".join(marker_lines(plan.markers)))
@@ -76,8 +78,9 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
            + (f"; DP size {topo.dp_size}, address {topo.address}:{topo.rpc_port}" if topo.is_dp else "")]
     for plan in plan_set(recipe, python, recipe.results_dir / "<run>"):
         role = plan.role
-        out += [f"# node {plan.node} (role {role.name}: {role.kind}, {role.nodes} node(s), local DP "
-                f"{role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) per node)",
+        workers = (f"local DP {role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) "
+                   "per node" if role.runs_vllm else "no vLLM")
+        out += [f"# node {plan.node} (role {role.name}: {role.kind}, {role.nodes} node(s), {workers})",
                 f"#   run there: m3patch serve {recipe.path} --role {plan.node.role} "
                 f"--rank {plan.node.rank} --run-dir RUN",
                 "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.plan.env_overrides) + " \\",
