@@ -21,9 +21,11 @@ from types import FrameType
 
 from m3patch.cluster.local_launcher import run_set
 from m3patch.cluster.node import NodeRun
-from m3patch.cluster.node_plan import require_node
+from m3patch.cluster.node_plan import require_node, require_topology
+from m3patch.cluster.slurm import sbatch_script
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted, UsageError
+from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", help="topology recipes: run this role's node only (with --rank)")
     parser.add_argument("--rank", type=int, help="topology recipes: the node's rank in its role "
                                                  "(0-based; with --role)")
+    parser.add_argument("--write-sbatch", type=Path, metavar="FILE",
+                        help="topology recipes: write the Slurm job (one serve --role/--rank task "
+                             "per node, then the sweep from the batch step) to FILE; start nothing")
     parser.add_argument("--bench", action="store_true",
                         help="once ready: run the recipe's sweep (as `m3patch bench`) into the "
                              "run folder, plot, then stop")
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         msg = "--role and --rank go together"
         raise UsageError(msg, hint="e.g. --role head --rank 0")
     recipe = load_recipe(args.recipe)
-    if args.role is not None or recipe.topology is not None:
+    if args.role is not None or recipe.topology is not None or args.write_sbatch is not None:
         return _serve_topology(args)
     if args.bench:
         return _serve_bench(args)
@@ -118,6 +123,12 @@ def _serve_topology(args: argparse.Namespace) -> int:
         msg = "--bench and --port are single-server options; a topology sets its own ports"
         raise UsageError(msg, hint=f"m3patch recipe show {args.recipe}")
     run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
+    if args.write_sbatch is not None:
+        require_topology(recipe)
+        write_bytes_atomic(args.write_sbatch, sbatch_script(recipe, run_dir.resolve()).encode())
+        info(f"wrote {args.write_sbatch}: submit with `sbatch {args.write_sbatch}` (RUN {run_dir} "
+             "must be on a file system every node shares)")
+        return 0
     if args.role is None:
         return run_set(recipe, run_dir, args.python, args.hold, args.stop_after_ready)
     node = require_node(recipe, args.role, args.rank)

@@ -195,3 +195,19 @@ def test_role_and_rank_errors_exit_2(recipe: str, extra: list[str], message: str
     proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", recipe, *extra],
                           capture_output=True, text=True, cwd=REPO, check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_serve_writes_the_sbatch_job(tmp_path: Path) -> None:
+    job = tmp_path / "job.sbatch"
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", "cpu_tiny_moe_dp2",
+                           "--write-sbatch", str(job), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    text = job.read_text()
+    assert text.startswith("#!/bin/bash") and "srun --kill-on-bad-exit=1" in text
+    assert f"RUN={tmp_path / 'run'}" in text
+    assert not (tmp_path / "run").exists()  # writing the job starts nothing
+    single = subprocess.run([sys.executable, "-m", "m3patch", "serve", "cpu_tiny_moe",
+                             "--write-sbatch", str(tmp_path / "x")], capture_output=True,
+                            text=True, cwd=REPO, check=False)
+    assert single.returncode == 2 and "no `topology:` section" in single.stderr
