@@ -22,18 +22,28 @@ SCAN_EVERY_S = 1.0
 
 
 def mapped_shm(pids: Iterable[int]) -> set[Path]:
-    """The /dev/shm files (ours by name) that these processes have mapped right now."""
-    found: set[Path] = set()
+    """The /dev/shm files (ours by name) that these processes have mapped right now.
+
+    Matched by inode, not by the name in /proc/PID/maps: glibc's sem_open maps a temporary
+    `sem.XXXXXX` and then links it as `sem.mp-...`, so maps never shows the name that leaks."""
+    inodes: set[int] = set()
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:  # exited meanwhile, or not ours to read
             continue
         for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            name = path.removeprefix(str(SHM) + "/").removesuffix(" (deleted)")
-            if path.startswith(str(SHM) + "/") and name.startswith(PREFIXES) and "/" not in name:
-                found.add(SHM / name)
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(str(SHM) + "/") and fields[4].isdigit():
+                inodes.add(int(fields[4]))
+    if not inodes:
+        return set()
+    found: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM):
+            with contextlib.suppress(OSError):
+                if entry.name.startswith(PREFIXES) and entry.inode() in inodes:
+                    found.add(SHM / entry.name)
     return found
 
 

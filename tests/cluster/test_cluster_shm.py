@@ -1,5 +1,5 @@
 """The /dev/shm cleaner removes exactly the files the set's own processes mapped: a real child
-maps a real shared-memory segment and is SIGKILLed (so nothing unlinks it); a look-alike file
+maps a real shared-memory segment and a named semaphore and is SIGKILLed (so nothing unlinks it); a look-alike file
 nobody of ours mapped stays."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from pathlib import Path
 from m3patch.cluster.shm import SHM, ShmTracker, mapped_shm
 
 CHILD = """
-import sys, time
+import multiprocessing, time
 from multiprocessing import resource_tracker, shared_memory
 seg = shared_memory.SharedMemory(create=True, size=4096)
 resource_tracker.unregister(seg._name, "shared_memory")  # as a SIGKILLed vLLM: nobody unlinks it
-print(seg.name, flush=True)
+lock = multiprocessing.get_context("spawn").Lock()       # a named sem.mp-* while it lives
+resource_tracker.unregister(lock._semlock.name, "semaphore")
+print(seg.name, lock._semlock.name, flush=True)
 time.sleep(60)
 """
 
@@ -28,19 +30,21 @@ def test_a_killed_process_s_segment_is_removed_and_nothing_else(tmp_path: Path) 
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
-        name = child.stdout.readline().strip().lstrip("/")
-        segment = SHM / name
-        assert segment.exists() and name.startswith("psm_")
+        name, sem_name = child.stdout.readline().split()
+        segment, semaphore = SHM / name.lstrip("/"), SHM / f"sem.{sem_name.lstrip('/')}"
+        assert segment.exists() and segment.name.startswith("psm_")
+        assert semaphore.exists() and semaphore.name.startswith("sem.mp-")
         with ShmTracker(lambda: [child.pid]) as tracker:
             bystander.write_bytes(b"x")  # newer than the tracker, ours, but never mapped by ours
             tracker.scan()
-            assert segment in mapped_shm([child.pid])
+            # the semaphore by inode: glibc maps it under a temporary name, then links it
+            assert {segment, semaphore} <= mapped_shm([child.pid])
             os.kill(child.pid, signal.SIGKILL)
             child.wait()
             time.sleep(0.2)
-        assert segment.exists()  # leaked by the kill
-        assert tracker.clean() == [segment]
-        assert not segment.exists()
+        assert segment.exists() and semaphore.exists()  # leaked by the kill
+        assert sorted(tracker.clean()) == sorted([segment, semaphore])
+        assert not segment.exists() and not semaphore.exists()
         assert bystander.exists()  # same prefix, never mapped by ours: kept
     finally:
         if child.poll() is None:
