@@ -26,6 +26,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
 | 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
 | 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
+| 25   | NodeMismatch          | a node of a multi-node set runs another series, ledger, or an unverified tree |
+| 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -140,6 +142,14 @@ class MarkerUnprintable(M3PatchError):
     exit_code = 23
 
 
+class NodeMismatch(M3PatchError):
+    exit_code = 25
+
+
+class NodeLost(M3PatchError):
+    exit_code = 26
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -150,5 +160,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    PortConflict, MarkerUnprintable, OutputFailed, Interrupted,
+    PortConflict, MarkerUnprintable, NodeMismatch, NodeLost, OutputFailed, Interrupted,
 )

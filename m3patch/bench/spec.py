@@ -30,6 +30,14 @@ SESSION_SERVER = "m3patch serve"
 
 def parallelism_of(recipe: Recipe) -> Parallelism:
     par = recipe.parallelism
+    topo = recipe.topology
+    if topo is not None and topo.is_dp:
+        # A multi-node DP set: DP is the roles' total; vLLM's EP switch spans every rank.
+        dp = topo.dp_size
+        ep_on = any("--enable-expert-parallel" in args for args in
+                    (recipe.vllm_args, *(r.vllm_args for r in topo.roles)))
+        return Parallelism(tp=par.tp, pp=1, ep=par.tp * dp if ep_on else 1, dp=dp,
+                           dp_attention=False)
     return Parallelism(tp=par.tp, pp=1, ep=par.ep, dp=par.dp, dp_attention=par.dp_attention)
 
 

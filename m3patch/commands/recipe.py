@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3patch.bench.spec import recipe_cells
+from m3patch.cluster.node_plan import plan_set
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
@@ -75,6 +76,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
+    if recipe.topology is not None:
+        print("# a multi-node set: the single-server base below; each node's own command follows it")
     print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
     print("  " + shlex.join(plan.spec.argv))
     print("\n".join(marker_lines(plan.markers)))
@@ -84,6 +87,27 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+    if recipe.topology is not None:
+        print("\n".join(topology_lines(recipe, interpreter)))
+
+
+def topology_lines(recipe: Recipe, python: str) -> list[str]:
+    """Every node of the set: its `serve --role/--rank` command, argv, env and gate."""
+    assert recipe.topology is not None
+    topo = recipe.topology
+    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous RUN/nodes/*.json"
+           + (f"; DP size {topo.dp_size}, address {topo.address}:{topo.rpc_port}" if topo.is_dp else "")]
+    for plan in plan_set(recipe, python, recipe.results_dir / "<run>"):
+        role = plan.role
+        workers = (f"local DP {role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) "
+                   "per node" if role.runs_vllm else "no vLLM")
+        out += [f"# node {plan.node} (role {role.name}: {role.kind}, {role.nodes} node(s), {workers})",
+                f"#   run there: m3patch serve {recipe.path} --role {plan.node.role} "
+                f"--rank {plan.node.rank} --run-dir RUN",
+                "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.plan.env_overrides) + " \\",
+                "  " + shlex.join(plan.argv)]
+        out += ["  " + line for line in marker_lines(plan.plan.markers)]
+    return out
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:

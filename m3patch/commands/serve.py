@@ -4,6 +4,10 @@ Runs in the foreground until Ctrl-C (exit 130), `--hold` seconds pass, or, with
 `--stop-after-ready`, right after the server is ready and every required marker was seen.
 `--bench` runs the run pipeline instead (m3patch.run.pipeline, as `m3patch bench` does, with
 this command's run folder and live log): every cell, results, plots, then stop.
+
+A recipe with a `topology:` runs a multi-node set: `--role R --rank K` runs one node (what a
+Slurm task runs: m3patch.cluster.node); without them every node runs on this host under the set
+supervisor (m3patch.cluster.local_launcher). Both share the run folder's rendezvous.
 """
 
 from __future__ import annotations
@@ -15,8 +19,13 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from m3patch.cluster.local_launcher import run_set
+from m3patch.cluster.node import NodeRun
+from m3patch.cluster.node_plan import require_node, require_topology
+from m3patch.cluster.slurm import sbatch_script
 from m3patch.commands.recipe import show_plan
-from m3patch.errors import Interrupted
+from m3patch.errors import Interrupted, UsageError
+from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info
 from m3patch.patching import report_json
 from m3patch.recipe.loader import load_recipe
@@ -45,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold", type=float, metavar="SECONDS",
                         help="serve this long after ready, watching markers, then stop (exit 0)")
     parser.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    parser.add_argument("--role", help="topology recipes: run this role's node only (with --rank)")
+    parser.add_argument("--rank", type=int, help="topology recipes: the node's rank in its role "
+                                                 "(0-based; with --role)")
+    parser.add_argument("--write-sbatch", type=Path, metavar="FILE",
+                        help="topology recipes: write the Slurm job (one serve --role/--rank task "
+                             "per node, then the sweep from the batch step) to FILE; start nothing")
     parser.add_argument("--bench", action="store_true",
                         help="once ready: run the recipe's sweep (as `m3patch bench`) into the "
                              "run folder, plot, then stop")
@@ -63,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         show_plan(args.recipe, args.python, args.port)
         return 0
     signal.signal(signal.SIGTERM, _on_sigterm)  # SIGINT already raises KeyboardInterrupt (130)
+    if (args.role is None) != (args.rank is None):
+        msg = "--role and --rank go together"
+        raise UsageError(msg, hint="e.g. --role head --rank 0")
+    recipe = load_recipe(args.recipe)
+    if args.role is not None or recipe.topology is not None or args.write_sbatch is not None:
+        return _serve_topology(args)
     if args.bench:
         return _serve_bench(args)
     return _serve(args)
@@ -127,3 +148,24 @@ def _watch(session: ServeSession, hold: float | None) -> None:
             session.check_answering()
             next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
         time.sleep(WATCH_S)
+
+
+def _serve_topology(args: argparse.Namespace) -> int:
+    """One node (--role/--rank), or every node of the set on this host."""
+    recipe = load_recipe(args.recipe)
+    if args.bench or args.port is not None:
+        msg = "--bench and --port are single-server options; a topology sets its own ports"
+        raise UsageError(msg, hint=f"m3patch recipe show {args.recipe}")
+    run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
+    if args.write_sbatch is not None:
+        require_topology(recipe)
+        write_bytes_atomic(args.write_sbatch, sbatch_script(recipe, run_dir.resolve()).encode())
+        info(f"wrote {args.write_sbatch}: submit with `sbatch {args.write_sbatch}` (RUN {run_dir} "
+             "must be on a file system every node shares)")
+        return 0
+    if args.role is None:
+        return run_set(recipe, run_dir, args.python, args.hold, args.stop_after_ready)
+    node = require_node(recipe, args.role, args.rank)
+    python = args.python or recipe.target.python or sys.executable
+    runner = NodeRun(recipe, node, run_dir, python, echo=None if args.quiet else echo_server_line)
+    return runner.run(args.hold, args.stop_after_ready)

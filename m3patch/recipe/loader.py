@@ -24,11 +24,12 @@ from m3patch.recipe.launch import Parallelism, flatten_vllm_args
 from m3patch.recipe.paths import expand
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
 from m3patch.recipe.target import ModelSpec, Target
+from m3patch.recipe.topology import Topology, topology
 from m3patch.schema import SchemaError, at_key, check_keys, expect_mapping, expect_str, in_file
 from m3patch.yamlio import load_yaml_file
 
 TOP_KEYS = ("description", "server", "parallelism", "vllm-args", "env", "speculative", "markers",
-            "deadlines", "results")
+            "deadlines", "results", "topology")
 T = TypeVar("T")
 
 
@@ -52,6 +53,7 @@ class Recipe:
     marker_waivers: tuple[tuple[str, str], ...]
     deadlines: Deadlines
     results_dir: Path
+    topology: Topology | None = None  # a multi-node set (recipe/topology.py); None: one server
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
@@ -94,16 +96,36 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     host, port = _section(data, "server", launch.server)
     swept = _section(data, "sweep", sweep)
     check_lengths_fit(swept, data.get("vllm-args"))
+    nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
+    parallel = _section(data, "parallelism", launch.parallelism)
+    if nodes is not None:
+        _check_topology_fits(data, parallel, marker_gates.counts)
     return Recipe(
         name=name, path=path, description=str(data.get("description", "")).strip(),
         target=_section(data, "target", served.target), series_dir=series_dir, model=model,
-        host=host, port=port, parallelism=_section(data, "parallelism", launch.parallelism),
+        host=host, port=port, parallelism=parallel,
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
         env=_section(data, "env", launch.env), speculative_json=spec_json,
         sweep=swept, markers=marker_gates.markers, marker_counts=marker_gates.counts,
         marker_waivers=marker_gates.waivers,
-        deadlines=_section(data, "deadlines", deadlines), results_dir=results,
+        deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,
     )
+
+
+def _check_topology_fits(data: dict[str, Any], parallel: Parallelism,
+                         counts: tuple[tuple[str, int], ...]) -> None:
+    """With a topology, DP comes from its roles and counts from its per-worker role markers."""
+    if parallel.dp > 1 or parallel.dp_attention:
+        with at_key("parallelism"):
+            msg = "with a topology, data parallelism comes from its roles (nodes x local-dp)"
+            raise SchemaError(msg)
+    with at_key("markers"):
+        own = [m for m in expect_mapping(data.get("markers", {})).get("required", []) or []
+               if isinstance(m, dict) and "count" in m]
+        if own or counts:
+            msg = ("with a topology, counts go on the roles' markers (per worker process); the "
+                   "recipe's markers apply to every node without a count")
+            raise SchemaError(msg)
 
 
 __all__ = ["Deadlines", "ModelSpec", "Parallelism", "Recipe", "Sweep", "SweepRow", "Target",

@@ -113,7 +113,7 @@ def test_good_run_logs_real_markers_and_provenance(live: LiveServer, cpu_venv: P
     ledger = next(cpu_venv.glob("lib/python*/site-packages/vllm/.m3patch/ledger.json"))
     digest = hashlib.sha256(ledger.read_bytes()).hexdigest()
     line = next(x for x in log.splitlines() if "m3patch[provenance]:" in x)
-    assert line.endswith(f"series=vllm-0.32.0 patches=provenance ledger=sha256:{digest}")
+    assert line.endswith(f"series=vllm-0.32.0 patches=provenance,cpu-collectives ledger=sha256:{digest}")
     assert "markers ok" in live.stderr_path.read_text()
 
 

@@ -1,0 +1,128 @@
+"""One node of a multi-node set: its argv, env, log and markers (pure; reads the series manifest).
+
+A vLLM node is the recipe's single-server launch (serving.launch_plan.plan_launch) plus the
+role's `vllm-args`, `env` and the DP flags the topology computes, gated by:
+- the series' and recipe's markers, except the provenance line on a headless node: it has no
+  API server, so it never prints it; its tree is proven through the rendezvous instead (series
+  id + ledger digest published by the `serve --role/--rank` that verified it);
+- the role's markers, with per-worker counts scaled to the node (local DP x TP).
+The proxy node runs `python -m m3patch.cluster.proxy` with m3patch's own interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from m3patch.errors import UsageError
+from m3patch.markers import MarkerSpec
+from m3patch.recipe.loader import Recipe
+from m3patch.recipe.topology import NodeId, Role, Topology, node_markers
+from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
+
+PROXY_MODULE = "m3patch.cluster.proxy"
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: NodeId
+    role: Role
+    plan: LaunchPlan
+    serves_http: bool
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return self.plan.spec.argv
+
+
+def require_topology(recipe: Recipe) -> Topology:
+    if recipe.topology is None:
+        msg = f"recipe {recipe.path} has no `topology:` section, so it has no roles or ranks"
+        raise UsageError(msg, hint=f"drop --role/--rank: m3patch serve {recipe.path}")
+    return recipe.topology
+
+
+def require_node(recipe: Recipe, role_name: str, rank: int) -> NodeId:
+    topo = require_topology(recipe)
+    names = [r.name for r in topo.roles]
+    if role_name not in names:
+        msg = f"recipe {recipe.path} has no role {role_name!r} (roles: {', '.join(names)})"
+        raise UsageError(msg, hint=f"m3patch recipe show {recipe.path}")
+    role = topo.role(role_name)
+    if not 0 <= rank < role.nodes:
+        msg = f"role {role_name!r} of recipe {recipe.path} has ranks 0..{role.nodes - 1}, not {rank}"
+        raise UsageError(msg, hint=f"m3patch recipe show {recipe.path}")
+    return NodeId(role_name, rank)
+
+
+def node_port(recipe: Recipe, topo: Topology, node: NodeId) -> int:
+    """The node's HTTP port: its role's port + rank, the DP head's / proxy's is server.port.
+
+    A headless node binds no port; its argv carries one m3patch keeps distinct (head port +
+    start rank) so the supervisor's free-port check never hits the head."""
+    role = topo.role(node.role)
+    if role.kind == "dp-headless":
+        return recipe.port + topo.start_rank(node)
+    if role.port is None:
+        return recipe.port
+    return role.port + node.rank
+
+
+def node_urls(recipe: Recipe, topo: Topology, kind: str) -> tuple[str, ...]:
+    return tuple(f"http://{recipe.host}:{node_port(recipe, topo, NodeId(r.name, k))}"
+                 for r in topo.roles if r.kind == kind for k in range(r.nodes))
+
+
+def _without_provenance(markers: tuple[MarkerSpec, ...]) -> tuple[MarkerSpec, ...]:
+    return tuple(m for m in markers if not (m.kind == "required" and (
+        m.text.startswith(PROVENANCE_PREFIX) or m.id == "provenance-ledger")))
+
+
+def plan_node(recipe: Recipe, node: NodeId, python: str, log_path: Path,
+              ledger_sha256: str | None) -> NodePlan:
+    topo = require_topology(recipe)
+    role = topo.role(node.role)
+    port = node_port(recipe, topo, node)
+    if role.kind == "proxy":
+        return NodePlan(node, role, _proxy_plan(recipe, topo, port, log_path), True)
+    base = plan_launch(recipe, python, port, log_path, ledger_sha256)
+    dp = topo.dp_args(node) if role.kind in ("dp-head", "dp-headless") else ()
+    argv = (*base.spec.argv, *role.vllm_args, *dp)
+    overrides = (*base.env_overrides, *role.env)
+    env = {**base.spec.env, **dict(role.env)}
+    markers = base.markers if role.serves_http else _without_provenance(base.markers)
+    markers = (*markers, *node_markers(role, recipe.parallelism.tp))
+    fix = f"m3patch serve {recipe.path} --role {node.role} --rank {node.rank}"
+    spec = replace(base.spec, argv=argv, env=env, fix_hint=fix)
+    plan = LaunchPlan(spec, overrides, markers, base.marker_hint.replace(
+        f"m3patch serve {recipe.path}", fix))
+    return NodePlan(node, role, plan, role.serves_http)
+
+
+def _proxy_plan(recipe: Recipe, topo: Topology, port: int, log_path: Path) -> LaunchPlan:
+    from m3patch.serving.supervisor import LaunchSpec
+
+    argv = (sys.executable, "-m", PROXY_MODULE, "--host", recipe.host, "--port", str(port),
+            *(x for url in node_urls(recipe, topo, "prefill") for x in ("--prefill", url)),
+            *(x for url in node_urls(recipe, topo, "decode") for x in ("--decode", url)))
+    role = next(r for r in topo.roles if r.kind == "proxy")
+    overrides = (*LOOPBACK_ENV, *role.env)
+    spec = LaunchSpec(argv=argv, env={**os.environ, **dict(overrides)}, log_path=log_path,
+                      base_url=f"http://{recipe.host}:{port}", served_model=recipe.model.served_name,
+                      ready_deadline_s=recipe.deadlines.ready_s,
+                      request_deadline_s=recipe.deadlines.request_s,
+                      fix_hint=f"m3patch serve {recipe.path} --role {role.name} --rank 0")
+    return LaunchPlan(spec, overrides, (), spec.fix_hint)
+
+
+def plan_set(recipe: Recipe, python: str, run_dir: Path) -> tuple[NodePlan, ...]:
+    """Every node of the set, in launch order (the head or proxy last)."""
+    topo = require_topology(recipe)
+    return tuple(plan_node(recipe, node, python, node_log(run_dir, node), None)
+                 for node in topo.nodes())
+
+
+def node_log(run_dir: Path, node: NodeId) -> Path:
+    return run_dir / "logs" / f"{node.slug}.log"

@@ -1,0 +1,239 @@
+"""The recipe's `topology:` section: which roles a multi-node set runs, how many nodes each, and
+what each node's `vllm serve` adds to the recipe's own argv, env and markers.
+
+Kinds of role:
+- `dp-head`: the data-parallel head (API server, DP coordinator, its local engines); one node.
+- `dp-headless`: `vllm serve --headless` ranks that join the head's DP group (engines only).
+- `prefill`, `decode`: separate instances linked by a KV connector (disaggregated serving).
+- `proxy`: m3patch's P/D proxy (`python -m m3patch.cluster.proxy`); the set's front door.
+
+Marker counts in a role are per WORKER PROCESS (vLLM prints its `info_once` lines once per
+process, and a node runs `local-dp x tp` of them), so a gate can say "every worker of every
+node printed it"; `node_markers` scales them to one node's log. The recipe's top-level markers
+apply to every vLLM node and may not give counts (a count there would be per node of one kind
+only). Pure: parse, validate, compute ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from m3patch.markers import MarkerSpec
+from m3patch.recipe import gates, launch
+from m3patch.recipe.launch import flatten_vllm_args
+from m3patch.recipe.paths import expand
+from m3patch.schema import (
+    SchemaError,
+    at_key,
+    check_keys,
+    expect_int,
+    expect_mapping,
+    expect_str,
+)
+
+RoleKind = Literal["dp-head", "dp-headless", "prefill", "decode", "proxy"]
+ROLE_KINDS: tuple[RoleKind, ...] = ("dp-head", "dp-headless", "prefill", "decode", "proxy")
+DP_KINDS = ("dp-head", "dp-headless")
+PD_KINDS = ("prefill", "decode", "proxy")
+VLLM_KINDS = ("dp-head", "dp-headless", "prefill", "decode")
+ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers")
+# m3patch writes these from the topology; a role setting them by hand would disagree with it.
+OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
+              "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
+DEFAULT_RPC_PORT = 13345
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    kind: RoleKind
+    nodes: int
+    local_dp: int  # DP ranks (engine processes) per node; workers per node = local_dp x tp
+    port: int | None  # the HTTP port of an API-serving role (None: the recipe's server.port)
+    vllm_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    markers: tuple[MarkerSpec, ...]  # counts per worker process
+
+    @property
+    def serves_http(self) -> bool:
+        return self.kind != "dp-headless"
+
+    @property
+    def runs_vllm(self) -> bool:
+        return self.kind in VLLM_KINDS
+
+
+@dataclass(frozen=True)
+class NodeId:
+    role: str
+    rank: int  # 0-based within the role
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.rank}"
+
+    @property
+    def slug(self) -> str:
+        """File-name form (`head-0`), for logs and rendezvous records."""
+        return f"{self.role}-{self.rank}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    address: str  # the DP head's address (--data-parallel-address); loopback here
+    rpc_port: int
+    roles: tuple[Role, ...]
+
+    def role(self, name: str) -> Role:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        known = ", ".join(r.name for r in self.roles)
+        msg = f"no role {name!r} in the recipe's topology (roles: {known})"
+        raise SchemaError(msg)
+
+    @property
+    def is_dp(self) -> bool:
+        return any(r.kind in DP_KINDS for r in self.roles)
+
+    @property
+    def dp_size(self) -> int:
+        return sum(r.nodes * r.local_dp for r in self.roles if r.kind in DP_KINDS)
+
+    def nodes(self) -> tuple[NodeId, ...]:
+        """Every node of the set, the head (or proxy) last: it is the one that reports ready."""
+        order = sorted(self.roles, key=lambda r: r.kind in ("dp-head", "proxy"))
+        return tuple(NodeId(r.name, k) for r in order for k in range(r.nodes))
+
+    @property
+    def head(self) -> NodeId:
+        """The node whose readiness is the set's: the DP head, or the P/D proxy."""
+        kind = "dp-head" if self.is_dp else "proxy"
+        return NodeId(next(r.name for r in self.roles if r.kind == kind), 0)
+
+    def start_rank(self, node: NodeId) -> int:
+        """The first global DP rank of a DP node: the head holds 0.., headless ranks follow."""
+        start = 0
+        for role in sorted(self.roles, key=lambda r: r.kind != "dp-head"):
+            if role.kind not in DP_KINDS:
+                continue
+            if role.name == node.role:
+                return start + node.rank * role.local_dp
+            start += role.nodes * role.local_dp
+        msg = f"{node} is not a data-parallel node"
+        raise SchemaError(msg)
+
+    def dp_args(self, node: NodeId) -> tuple[str, ...]:
+        """The DP flags m3patch adds to a DP node's `vllm serve`."""
+        role = self.role(node.role)
+        out = ["--data-parallel-size", str(self.dp_size), "--data-parallel-size-local",
+               str(role.local_dp), "--data-parallel-address", self.address,
+               "--data-parallel-rpc-port", str(self.rpc_port)]
+        if role.kind == "dp-headless":
+            out += ["--headless", "--data-parallel-start-rank", str(self.start_rank(node))]
+        return tuple(out)
+
+
+def node_markers(role: Role, tp: int) -> tuple[MarkerSpec, ...]:
+    """The role's markers with per-worker counts scaled to one node's log (local DP x TP)."""
+    workers = role.local_dp * tp
+    return tuple(m if m.count is None else replace(m, count=m.count * workers)
+                 for m in role.markers)
+
+
+def topology(data: dict[str, Any], *, source: str) -> Topology | None:
+    if not data:
+        return None
+    check_keys(data, required=("roles",), optional=("address", "rpc-port"))
+    with at_key("address"):
+        # ${M3PATCH_HEAD_ADDR:-127.0.0.1}: the Slurm job exports the first host of its allocation
+        address = expand(expect_str(data.get("address", "127.0.0.1")))
+    with at_key("rpc-port"):
+        rpc_port = _port(data.get("rpc-port", DEFAULT_RPC_PORT))
+    roles = []
+    with at_key("roles"):
+        for name, raw in expect_mapping(data["roles"]).items():
+            with at_key(name):
+                roles.append(_role(str(name), expect_mapping(raw), source))
+    _check_shape(tuple(roles))
+    return Topology(address, rpc_port, tuple(roles))
+
+
+def _port(value: object) -> int:
+    port = expect_int(value, minimum=1)
+    if port > 65535:
+        msg = f"port {port} is above 65535"
+        raise SchemaError(msg)
+    return port
+
+
+def _role(name: str, data: dict[str, Any], source: str) -> Role:
+    check_keys(data, required=("kind",), optional=ROLE_KEYS)
+    with at_key("kind"):
+        kind = expect_str(data["kind"])
+        if kind not in ROLE_KINDS:
+            msg = f"unknown role kind {kind!r}; one of {', '.join(ROLE_KINDS)}"
+            raise SchemaError(msg)
+    with at_key("nodes"):
+        nodes = expect_int(data.get("nodes", 1), minimum=1)
+    with at_key("local-dp"):
+        local_dp = expect_int(data.get("local-dp", 1), minimum=1)
+    with at_key("port"):
+        port = None if data.get("port") is None else _port(data["port"])
+    with at_key("vllm-args"):
+        raw_args = expect_mapping(data.get("vllm-args", {}))
+        owned = sorted(set(raw_args) & set(OWNED_ARGS))
+        if owned:
+            msg = (f"{', '.join(owned)} is set by m3patch from the topology (roles, nodes, "
+                   "local-dp, address, rpc-port, port); remove it here")
+            raise SchemaError(msg)
+        vllm_args = flatten_vllm_args(raw_args)
+    with at_key("env"):
+        env = launch.env(expect_mapping(data.get("env", {})))
+    with at_key("markers"):
+        marker_gates = gates.markers(expect_mapping(data.get("markers", {})),
+                                     source=f"{source} role {name}")
+        if marker_gates.counts or marker_gates.waivers:
+            msg = "a role states counts on its own markers (per worker); counts/waive are not allowed here"
+            raise SchemaError(msg)
+    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers)
+    _check_role(role)
+    return role
+
+
+def _check_role(role: Role) -> None:
+    if role.kind in ("dp-head", "proxy") and role.nodes != 1:
+        msg = f"a {role.kind} role has exactly one node, got nodes: {role.nodes}"
+        raise SchemaError(msg)
+    if role.kind not in DP_KINDS and role.local_dp != 1:
+        msg = f"local-dp applies to data-parallel roles only, not {role.kind}"
+        raise SchemaError(msg)
+    if role.kind == "proxy" and (role.vllm_args or role.markers):
+        msg = "the proxy runs no vLLM: it takes no vllm-args or markers"
+        raise SchemaError(msg)
+
+
+def _check_shape(roles: tuple[Role, ...]) -> None:
+    kinds = [r.kind for r in roles]
+    if any(k in DP_KINDS for k in kinds) and any(k in PD_KINDS for k in kinds):
+        msg = "a topology is either data-parallel (dp-head, dp-headless) or P/D (prefill, decode, proxy)"
+        raise SchemaError(msg)
+    if any(k in DP_KINDS for k in kinds) and kinds.count("dp-head") != 1:
+        msg = f"a data-parallel topology has exactly one dp-head role, got {kinds.count('dp-head')}"
+        raise SchemaError(msg)
+    if any(k in PD_KINDS for k in kinds):
+        for needed in PD_KINDS:
+            if needed not in kinds:
+                msg = f"a P/D topology needs a {needed} role"
+                raise SchemaError(msg)
+        if kinds.count("proxy") != 1:
+            msg = "a P/D topology has exactly one proxy role"
+            raise SchemaError(msg)
+        for role in roles:
+            if role.kind in ("prefill", "decode") and role.port is None:
+                msg = f"role {role.name} ({role.kind}) needs its own port (the proxy uses server.port)"
+                raise SchemaError(msg)
+    ports = [r.port for r in roles if r.port is not None]
+    if len(ports) != len(set(ports)):
+        msg = f"two roles share a port: {sorted(ports)}"
+        raise SchemaError(msg)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# A two-node Slurm cluster on 127.0.0.1 (Debian's slurm-wlm + munge), for the Slurm launcher test
+# and CI. No systemd: the daemons are started by hand, and clients need SLURM_CONF.
+#   bash scripts/slurm_loopback.sh start DIR   # writes DIR/slurm.conf, starts munged (if not
+#                                              # running), slurmctld and two slurmd (n1, n2)
+#   bash scripts/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files)
+# MpiDefault=none (no PMIx here); proctrack/cgroup, because linuxproc loses vLLM's engines,
+# which start their own sessions; cgroup v1 on this machine. Needs root (slurmd, cgroups).
+set -euo pipefail
+action="${1:?start|stop}"; dir="$(realpath -m "${2:?DIR}")"
+conf="$dir/slurm.conf"
+
+start() {
+    mkdir -p "$dir"/{state,spool,log,run}
+    cat > "$conf" <<CONF
+ClusterName=m3loop
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=16817
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+MpiDefault=none
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/none
+ReturnToService=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+SlurmctldPidFile=$dir/run/slurmctld.pid
+SlurmdPidFile=$dir/run/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+KillWait=5
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16821 CPUs=1 RealMemory=8000 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16822 CPUs=1 RealMemory=8000 State=UNKNOWN
+PartitionName=loop Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+CONF
+    printf 'CgroupPlugin=cgroup/v1\nConstrainCores=no\nConstrainRAMSpace=no\n' > "$dir/cgroup.conf"
+    if ! pgrep -x munged > /dev/null; then
+        mkdir -p /run/munge && chown munge:munge /run/munge
+        [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
+        su munge -s /bin/sh -c /usr/sbin/munged
+    fi
+    export SLURM_CONF="$conf"
+    slurmctld -f "$conf"
+    slurmd -f "$conf" -N n1
+    slurmd -f "$conf" -N n2
+    for _ in $(seq 60); do
+        [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u)" = "idle" ] && { echo "$conf"; return 0; }
+        sleep 1
+    done
+    echo "slurm_loopback: nodes not idle after 60 s; see $dir/log" >&2
+    return 1
+}
+
+stop() {
+    for pidfile in "$dir"/run/slurmd-n1.pid "$dir"/run/slurmd-n2.pid "$dir"/run/slurmctld.pid; do
+        [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+    done
+}
+
+"$action"

@@ -1,0 +1,213 @@
+"""Topology recipes: schema, per-worker marker counts, DP ranks, every node's argv; the rendezvous
+records read back as hostile input and compared (pure; no server)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.node_plan import plan_node, plan_set
+from m3patch.cluster.proxy import prefill_body
+from m3patch.cluster.slurm import sbatch_script, sweep_array_script, task_table
+from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
+from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.topology import NodeId
+from m3patch.schema import SchemaError
+
+REPO = Path(__file__).resolve().parents[2]
+DP2 = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
+DIGEST = "ab" * 32
+
+
+def variant(tmp_path: Path, edit: dict[str, object], base: Path = DP2) -> Path:
+    data = yaml.safe_load(base.read_text())
+    data.update(edit)
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_dp2_nodes_ranks_and_argv() -> None:
+    recipe = load_recipe(DP2)
+    topo = recipe.topology
+    assert topo is not None and topo.dp_size == 2
+    assert topo.nodes() == (NodeId("node", 0), NodeId("head", 0))  # head last: it reports ready
+    assert topo.head == NodeId("head", 0)
+    plans = {p.node: p for p in plan_set(recipe, "/py", Path("/run"))}
+    head, node = plans[NodeId("head", 0)].argv, plans[NodeId("node", 0)].argv
+    assert "--headless" not in head and head[head.index("--port") + 1] == "8775"
+    assert head[head.index("--data-parallel-size") + 1] == "2"
+    assert node[node.index("--data-parallel-start-rank") + 1] == "1"
+    assert "--headless" in node and node[node.index("--data-parallel-rpc-port") + 1] == "13385"
+    assert dict(plans[NodeId("node", 0)].plan.env_overrides)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_headless_node_is_not_gated_on_the_provenance_line() -> None:
+    recipe = load_recipe(DP2)
+    head = plan_node(recipe, NodeId("head", 0), "/py", Path("/l"), DIGEST)
+    node = plan_node(recipe, NodeId("node", 0), "/py", Path("/l"), DIGEST)
+    assert {"provenance", "provenance-ledger"} <= {m.id for m in head.plan.markers}
+    assert not {"provenance", "provenance-ledger"} & {m.id for m in node.plan.markers}
+    # forbidden provenance markers still apply everywhere
+    assert "provenance-bad-ledger" in {m.id for m in node.plan.markers}
+
+
+def test_marker_counts_are_per_worker(tmp_path: Path) -> None:
+    data = yaml.safe_load(DP2.read_text())
+    data["topology"]["roles"]["node"]["local-dp"] = 3
+    data["parallelism"] = {"tp": 2}
+    path = variant(tmp_path, data)
+    recipe = load_recipe(path)
+    node = plan_node(recipe, NodeId("node", 0), "/py", Path("/l"), None)
+    counts = {m.id: m.count for m in node.plan.markers}
+    assert counts["cpu-moe-backend"] == 6  # 1 per worker x local DP 3 x TP 2
+    assert recipe.topology is not None and recipe.topology.dp_size == 4
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"roles": {"n": {"kind": "dp-headless"}}}, "exactly one dp-head"),
+    ({"roles": {"h": {"kind": "dp-head", "nodes": 2}}}, "exactly one node"),
+    ({"roles": {"h": {"kind": "dp-hed"}}}, "unknown role kind"),
+    ({"roles": {"h": {"kind": "dp-head", "vllm-args": {"data-parallel-size": 4}}}}, "set by m3patch"),
+    ({"roles": {"h": {"kind": "dp-head"}, "p": {"kind": "prefill", "port": 9}}}, "either data-parallel"),
+    ({"roles": {"p": {"kind": "prefill", "port": 9}, "x": {"kind": "proxy"}}}, "needs a decode"),
+    ({"roles": {"p": {"kind": "prefill"}, "d": {"kind": "decode", "port": 8},
+                "x": {"kind": "proxy"}}}, "needs its own port"),
+    ({"roles": {"h": {"kind": "dp-head", "markers": {"counts": {"a": 1}}}}}, "counts/waive"),
+    ({"roles": {"h": {"kind": "dp-head"}}, "rpc-port": 70000}, "above 65535"),
+])
+def test_bad_topologies_are_refused(tmp_path: Path, edit: dict[str, object], message: str) -> None:
+    path = variant(tmp_path, {"topology": edit})
+    with pytest.raises(SchemaError, match=message):
+        load_recipe(path)
+
+
+def test_recipe_level_counts_are_refused_with_a_topology(tmp_path: Path) -> None:
+    data = yaml.safe_load(DP2.read_text())
+    data["markers"]["required"][0]["count"] = 1
+    with pytest.raises(SchemaError, match="counts go on the roles"):
+        load_recipe(variant(tmp_path, data))
+
+
+def record(role: str, **kw: object) -> rv.NodeRecord:
+    fields: dict[str, object] = {"role": role, "rank": 0, "host": "h", "pid": 1, "pgid": 2,
+                                 "series": "vllm-0.32.0", "ledger_sha256": DIGEST, "verified": True,
+                                 "state": "ready"}
+    fields.update(kw)
+    return rv.NodeRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_rendezvous_round_trip_and_compare(tmp_path: Path) -> None:
+    rv.publish(tmp_path, record("node"))
+    records = rv.read_records(tmp_path)
+    expected = (NodeId("node", 0), NodeId("late", 0))
+    assert rv.compare(expected, records, "vllm-0.32.0", DIGEST, "fix") == [NodeId("late", 0)]
+    with pytest.raises(NodeMismatch, match=r"node node/0 .* runs series vllm-0.32.0 ledger sha256:abab"):
+        rv.compare(expected, records, "vllm-0.32.0", "cd" * 32, "fix")
+    rv.publish(tmp_path, record("node", verified=False))
+    with pytest.raises(NodeMismatch, match="did not verify"):
+        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+    rv.publish(tmp_path, record("node", state="exited", exit_code=18, reason="died"))
+    with pytest.raises(NodeLost, match=r"node node/0 .* exited with status 18: died"):
+        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+
+
+@pytest.mark.parametrize("bad", [
+    {"state": "dancing"}, {"ledger_sha256": "xyz"}, {"rank": "0"}, {"verified": "yes"},
+    {"schema": 2}, {"role": "other"},
+])
+def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> None:
+    rv.publish(tmp_path, record("node"))
+    path = rv.record_path(tmp_path, NodeId("node", 0))
+    data = {**json.loads(path.read_text()), **bad}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultsInvalid):
+        rv.read_records(tmp_path)
+
+
+def test_proxy_prefill_request_is_one_token_without_streaming() -> None:
+    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False}
+    assert body["max_tokens"] == 50  # the decode request is the original
+
+
+def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
+    recipe = load_recipe(DP2)
+    assert task_table(recipe) == [("node", 0), ("head", 0)]
+    script = sbatch_script(recipe, Path("/shared/run"))
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "srun --kill-on-bad-exit=1 --ntasks=2" in script
+    assert '--output="$RUN/logs/task-%t.out"' in script
+    assert "roles=(node:0 head:0)" in script
+    assert 'exec $M3PATCH_CMD serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
+    assert 'source "${M3PATCH_SITE_HOOK}"' in script
+    assert '"$RUN/nodes/head-0.json"' in script and '$M3PATCH_CMD bench "$RECIPE"' in script
+    array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
+    assert "#SBATCH --array=0-2" in array and "cells=(a b c)" in array
+    assert '--only "${cells[$SLURM_ARRAY_TASK_ID]}"' in array
+
+
+NODES_BY_RECIPE = {"mi355x_tp4_pd": ("prefill/0", "decode/0", "proxy/0"),
+                   "mi300x_ep16_2node": ("head/0", "node/0"),
+                   "cpu_tiny_moe_dp2": ("head/0", "node/0")}
+
+
+@pytest.mark.parametrize("name", sorted(NODES_BY_RECIPE))
+def test_topologies_render_every_node(name: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", name, "--dry-run"],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "topology:" in proc.stdout
+    for node in NODES_BY_RECIPE[name]:
+        assert f"# node {node} " in proc.stdout
+
+
+def test_gpu_topologies_plan() -> None:
+    pd = load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml")
+    prefill = plan_node(pd, NodeId("prefill", 0), "/py", Path("/l"), None).argv
+    assert '"kv_connector":"MoRIIOConnector"' in prefill[prefill.index("--kv-transfer-config") + 1]
+    proxy = plan_node(pd, NodeId("proxy", 0), "/py", Path("/l"), None).argv
+    assert proxy[1:3] == ("-m", "m3patch.cluster.proxy")
+    assert proxy[proxy.index("--prefill") + 1] == "http://127.0.0.1:8100"
+    assert proxy[proxy.index("--decode") + 1] == "http://127.0.0.1:8200"
+    ep = load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml")
+    assert ep.topology is not None and ep.topology.dp_size == 16
+    node = plan_node(ep, NodeId("node", 0), "/py", Path("/l"), None)
+    assert node.argv[node.argv.index("--data-parallel-start-rank") + 1] == "8"
+    assert {m.id: m.count for m in node.plan.markers}["block-fp8-layer-per-worker"] == 8
+
+
+@pytest.mark.parametrize(("recipe", "extra", "message"), [
+    ("cpu_tiny_moe_dp2", ["--role", "head"], "go together"),
+    ("cpu_tiny_moe_dp2", ["--role", "nobody", "--rank", "0"], "no role 'nobody'"),
+    ("cpu_tiny_moe_dp2", ["--role", "node", "--rank", "3"], "ranks 0..0"),
+    ("cpu_tiny_moe", ["--role", "h", "--rank", "0"], "no `topology:` section"),
+])
+def test_role_and_rank_errors_exit_2(recipe: str, extra: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", recipe, *extra],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_serve_writes_the_sbatch_job(tmp_path: Path) -> None:
+    job = tmp_path / "job.sbatch"
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", "cpu_tiny_moe_dp2",
+                           "--write-sbatch", str(job), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    text = job.read_text()
+    assert text.startswith("#!/bin/bash") and "srun --kill-on-bad-exit=1" in text
+    assert f"RUN={tmp_path / 'run'}" in text
+    assert not (tmp_path / "run").exists()  # writing the job starts nothing
+    single = subprocess.run([sys.executable, "-m", "m3patch", "serve", "cpu_tiny_moe",
+                             "--write-sbatch", str(tmp_path / "x")], capture_output=True,
+                            text=True, cwd=REPO, check=False)
+    assert single.returncode == 2 and "no `topology:` section" in single.stderr

