@@ -23,6 +23,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
+| 20   | EvalFailed            | an eval score is below its min or dropped past max-drop        |
+| 21   | EvalError             | the eval could not score: harness failed, task/metric missing, server died |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -122,6 +124,14 @@ class ModelMissing(M3PatchError):
     exit_code = 19
 
 
+class EvalFailed(M3PatchError):
+    exit_code = 20
+
+
+class EvalError(M3PatchError):
+    exit_code = 21
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -132,5 +142,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    Interrupted,
+    EvalFailed, EvalError, Interrupted,
 )

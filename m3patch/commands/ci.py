@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
 from m3patch.output import info
+from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
@@ -64,13 +65,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def ci_steps(pipeline: RunPipeline) -> list[Step]:
-    return [("recipe", pipeline.load), ("apply-verify", pipeline.apply_verify),
-            ("serve-sweep", lambda: _serve_sweep(pipeline)), ("results", pipeline.results)]
+    when = pipeline.eval_when()
+    steps: list[Step] = [
+        ("recipe", pipeline.load), ("apply-verify", pipeline.apply_verify),
+        ("serve-sweep", lambda: _serve_sweep(pipeline, when is EvalWhen.BEFORE_SWEEP)),
+        ("results", pipeline.results)]
+    if when is EvalWhen.AFTER_SWEEP:  # the sweep's results are kept when the gate fails
+        steps.append(("eval", pipeline.eval))
+    return steps
 
 
-def _serve_sweep(pipeline: RunPipeline) -> StepDone:
+def _serve_sweep(pipeline: RunPipeline, eval_first: bool = False) -> StepDone:
     with teed_output(pipeline.planned.run_dir / SERVE_LOG):
         served = pipeline.serve()
+        if eval_first:
+            pipeline.eval()
         swept = pipeline.sweep()
     if served.status is StepStatus.SKIPPED:
         return StepDone(f"{served.message}; {swept.message}", (SERVE_LOG,))
