@@ -38,6 +38,7 @@ from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
+EVAL_LOG = "ci-eval.log"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +72,7 @@ def ci_steps(pipeline: RunPipeline) -> list[Step]:
         ("serve-sweep", lambda: _serve_sweep(pipeline, when is EvalWhen.BEFORE_SWEEP)),
         ("results", pipeline.results)]
     if when is EvalWhen.AFTER_SWEEP:  # the sweep's results are kept when the gate fails
-        steps.append(("eval", pipeline.eval))
+        steps.append(("eval", lambda: _eval(pipeline)))
     return steps
 
 
@@ -84,6 +85,12 @@ def _serve_sweep(pipeline: RunPipeline, eval_first: bool = False) -> StepDone:
     if served.status is StepStatus.SKIPPED:
         return StepDone(f"{served.message}; {swept.message}", (SERVE_LOG,))
     return StepDone("server ready, markers passed, sweep done", ("server.log", "serve.json", SERVE_LOG))
+
+
+def _eval(pipeline: RunPipeline) -> StepDone:
+    with teed_output(pipeline.planned.run_dir / EVAL_LOG):
+        done = pipeline.eval()
+    return StepDone(done.message, (*done.artifacts, EVAL_LOG), done.status)
 
 
 def _print_step(result: StepResult) -> None:

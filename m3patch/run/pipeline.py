@@ -43,10 +43,11 @@ from m3patch.bench.runner import (
 )
 from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
 from m3patch.errors import M3PatchError, UsageError
+from m3patch.eval.compare import read_scores, record_path, run_rows
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import write_bytes_atomic
-from m3patch.output import info
+from m3patch.output import info, table
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -123,6 +124,14 @@ class ServerHandle:
 
 def echo_server_line(line: str) -> None:
     print(f"  | {line}", file=sys.stderr, flush=True)
+
+
+def show_scores(name: str, run_dir: Path) -> None:
+    """The accuracy table beside the throughput table, when the eval recorded scores."""
+    path = record_path(run_dir)
+    if path is not None:
+        table(f"{name}: accuracy", ["Task", "Metric", "Score", "Samples", "Gate"],
+              run_rows(read_scores(path)))
 
 
 def default_run_dir(recipe: Recipe, command: RunCommand, *, resume: bool) -> Path:
@@ -298,6 +307,9 @@ class RunPipeline:
             target = self.server.target
             provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)
             endpoint = Endpoint(target.base_url, target.served_model, plan.recipe.deadlines.request_s)
-            outcome = evaluate(plan.recipe.eval, plan.run_dir, endpoint,
-                               check_server=self.server.check, provenance=provenance)
+            try:
+                outcome = evaluate(plan.recipe.eval, plan.run_dir, endpoint,
+                                   check_server=self.server.check, provenance=provenance)
+            finally:
+                show_scores(plan.recipe.name, plan.run_dir)
         return StepDone(outcome.summary(), (f"{EVAL_DIR}/eval.json",))
