@@ -234,7 +234,6 @@ class RunPipeline:
                 and self.spec.command is not RunCommand.BENCH):
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
             preflight(self.plan.recipe.eval, self.plan.recipe.path)
-            where += "; eval ready"
         return StepDone(where + ")")
 
     def apply_verify(self) -> StepDone:
