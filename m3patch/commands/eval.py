@@ -13,6 +13,7 @@ no score could be read. `serve --bench` and `ci` run the same step inside the ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(msg, hint="add eval: tasks: [...] to the recipe (README: accuracy gate)")
     spec = recipe.eval
     if args.lm_eval_python:
-        spec = type(spec)(spec.when, args.lm_eval_python, spec.timeout_s, spec.tasks)
+        spec = dataclasses.replace(spec, python=args.lm_eval_python)
     preflight(spec, recipe.path)
     base_url = (args.url or f"http://{recipe.host}:{recipe.port}").rstrip("/")
     run_dir = args.run_dir or recipe.results_dir / time.strftime("eval-%Y%m%d-%H%M%S")
