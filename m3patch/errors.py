@@ -23,11 +23,13 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
-| 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 20   | EvalFailed            | an eval score is below its min or dropped past max-drop        |
+| 21   | EvalError             | the eval could not score: harness failed, task/metric missing, server died |
 | 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
 | 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, ledger, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
+| 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -127,11 +129,12 @@ class ModelMissing(M3PatchError):
     exit_code = 19
 
 
-class OutputFailed(M3PatchError):
-    """stdout (or stderr) refused a write: a full device, a quota, an I/O error. The command's
-    work stands; only its report was lost."""
+class EvalFailed(M3PatchError):
+    exit_code = 20
 
-    exit_code = 27
+
+class EvalError(M3PatchError):
+    exit_code = 21
 
 
 class PortConflict(M3PatchError):
@@ -150,6 +153,13 @@ class NodeLost(M3PatchError):
     exit_code = 26
 
 
+class OutputFailed(M3PatchError):
+    """stdout (or stderr) refused a write: a full device, a quota, an I/O error. The command's
+    work stands; only its report was lost."""
+
+    exit_code = 27
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -160,5 +170,6 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    PortConflict, MarkerUnprintable, NodeMismatch, NodeLost, OutputFailed, Interrupted,
+    EvalFailed, EvalError, PortConflict, MarkerUnprintable, NodeMismatch, NodeLost, OutputFailed,
+    Interrupted,
 )

@@ -37,6 +37,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command("m3patch.commands.serve", "apply, verify, then run vllm serve with a marker gate"),
     "markers": Command("m3patch.commands.markers", "check a saved server log against markers; lint markers"),
     "bench": Command("m3patch.commands.bench", "concurrency sweep with vllm bench serve; compare"),
+    "eval": Command("m3patch.commands.eval", "accuracy gate: lm-eval against a running server"),
     "matrix": Command("m3patch.commands.matrix", "emit the CI job matrix for recipes"),
     "changelog": Command("m3patch.commands.changelog", "validate perf-changelog.yaml"),
     "ci": Command("m3patch.commands.ci", "one CI job: apply, verify, serve, sweep, results"),

@@ -6,7 +6,8 @@ Stdlib only (it runs beside a fresh tool venv, not inside it). Passes when the l
 per-GPU results table with one line per cell of the run's aggregate, every decode figure in it is
 either a measurement at or above the burst floor or says "n/a (...)", the job reported success,
 and the run folder it named holds the server log, per-cell files, aggregate JSON/CSV, both plots,
-the ledger and ci.json. Exit 0 on pass, 1 with one line per problem otherwise.
+the ledger, ci.json and the accuracy gate's eval.json (with its score line in the log).
+Exit 0 on pass, 1 with one line per problem otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 TITLE = "cpu_tiny_moe: per-GPU results"
 DONE = re.compile(r"ci: all steps passed; artifacts in (\S+)")
 ARTIFACTS = ("server.log", "aggregate.json", "aggregate.csv", "throughput_per_gpu.png",
-             "interactivity_vs_throughput.png", "ledger.json", "ci.json")
+             "interactivity_vs_throughput.png", "ledger.json", "ci.json", "eval.json")
+EVAL_LINE = re.compile(r"eval tiny_arith: exact_match,strict-match = [0-9.]+ over 32 samples \(ok")
 BURST_FLOOR_MS = 0.1  # m3patch.bench.aggregate.BURST_FLOOR_MS: a lower TPOT is never printed
 SPLIT = re.compile(r"[│┃|]|\s{2,}")
 
@@ -63,6 +65,8 @@ def main() -> int:
         run_dir = Path(__file__).resolve().parents[1] / run_dir
     problems = [f"run folder {run_dir}: {name} missing" for name in ARTIFACTS
                 if not any(p.is_file() for p in run_dir.rglob(name))]  # plots live in plots/
+    if not any(EVAL_LINE.search(line) for line in lines):
+        problems.append("the accuracy gate printed no 'eval tiny_arith: ... over 32 samples (ok' line")
     cells = sorted((run_dir / "cells").glob("*.json"))
     if not cells:
         problems.append(f"run folder {run_dir}: no cells/*.json")

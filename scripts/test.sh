@@ -19,6 +19,7 @@ fi
 
 if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
   bash scripts/setup_cpu_venv.sh
+  bash scripts/setup_lm_eval.sh  # the accuracy gate's harness (its own venv, from PyPI)
 fi
 
 echo "== ruff"

@@ -10,12 +10,19 @@ The cells come from cells.sweep_cells through spec.recipe_cells, the very cells
 `m3patch bench RECIPE --only CELL` selects from; the matrix adds none of its own.
 One job per cell by default (InferenceX's shape; each runs `m3patch bench RECIPE --only CELL`),
 or one job per recipe with `per="recipe"`.
+
+Eval jobs follow InferenceX's changelog modifiers, which both suppress the throughput jobs:
+`evals-only` emits one eval job per recipe that declares an `eval:` section (the gate where one
+is declared); `all-evals` emits one for every recipe given and refuses a recipe without one.
+An eval job runs the recipe's accuracy gate (`m3patch eval`) against its server, once per
+recipe: m3patch's eval does not depend on the sweep's concurrency.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from m3patch.bench.cells import Cell, Parallelism, SeqLen
@@ -35,6 +42,7 @@ class MatrixRecipe:
     model: str
     parallelism: Parallelism
     cells: tuple[Cell, ...]  # from cells.sweep_cells, in run order
+    eval_tasks: tuple[str, ...] = ()  # the recipe's eval task names; empty: no eval section
 
 
 def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
@@ -66,11 +74,44 @@ def recipe_job(recipe: MatrixRecipe, cells: Sequence[Cell]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def build_matrix(recipes: Sequence[MatrixRecipe], per: str = "cell") -> dict[str, Any]:
+class EvalJobs(str, Enum):
+    NONE = "none"            # throughput jobs only (the default)
+    EVALS_ONLY = "evals-only"  # eval jobs for the recipes that declare a gate; no throughput
+    ALL_EVALS = "all-evals"    # an eval job for every recipe (each must declare one); no throughput
+
+
+def eval_job(recipe: MatrixRecipe) -> dict[str, Any]:
+    par = recipe.parallelism
+    return {
+        "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
+        "image": recipe.image or "", "model": recipe.model, "job": "eval",
+        "eval-tasks": list(recipe.eval_tasks),
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
+        "gpus": par.gpu_count, "parallelism": par.label,
+    }  # fmt: skip
+
+
+def eval_jobs(recipes: Sequence[MatrixRecipe], mode: EvalJobs) -> list[dict[str, Any]]:
+    if mode is EvalJobs.ALL_EVALS:
+        bare = [r.path for r in recipes if not r.eval_tasks]
+        if bare:
+            msg = f"all-evals: {', '.join(bare)} declare(s) no eval section"
+            raise UsageError(msg, hint="add eval: tasks: [...] to it, or use --evals-only")
+    return [eval_job(r) for r in recipes if r.eval_tasks]
+
+
+def build_matrix(recipes: Sequence[MatrixRecipe], per: str = "cell",
+                 evals: EvalJobs = EvalJobs.NONE) -> dict[str, Any]:
     jobs: list[dict[str, Any]] = []
+    if evals is not EvalJobs.NONE:  # InferenceX: the eval modifiers suppress throughput
+        return _limited(eval_jobs(recipes, evals))
     for recipe in recipes:
         cells = recipe.cells
         jobs += [cell_job(recipe, c) for c in cells] if per == "cell" else [recipe_job(recipe, cells)]
+    return _limited(jobs)
+
+
+def _limited(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(jobs) > GITHUB_MATRIX_LIMIT:
         msg = f"the matrix has {len(jobs)} jobs; GitHub Actions accepts at most {GITHUB_MATRIX_LIMIT}"
         raise UsageError(msg, hint="pass fewer recipes, or --per recipe (one job per recipe)")

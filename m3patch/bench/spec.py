@@ -71,6 +71,7 @@ def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
         image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
         cells=recipe_cells(recipe),
+        eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from m3patch.bench.aggregate import load_aggregate
 from m3patch.bench.plots import PlotRun, draw, run_title
 from m3patch.bench.results import write_result
 from m3patch.errors import Interrupted, UsageError
+from m3patch.eval import compare as eval_compare
 from m3patch.output import info, stdout_console, table
 from m3patch.patching import report_json
 from m3patch.recipe.names import recipe_path
@@ -113,6 +114,17 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
+def _accuracy(base: Path, new: Path) -> dict[str, object]:
+    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+    paths = eval_compare.record_path(base), eval_compare.record_path(new)
+    if paths == (None, None):
+        return {}
+    base_s, new_s = (eval_compare.read_scores(p) if p else {} for p in paths)
+    table("accuracy (eval/eval.json): base -> new", ["Task", "Metric", "Base", "New", "Change"],
+          eval_compare.compare_rows(base_s, new_s))
+    return {"accuracy": eval_compare.to_json(base_s, new_s)}
+
+
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
     fields = report_json.start("bench") if args.json == STDOUT else None
@@ -132,8 +144,9 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
         table("not compared", ["Reason", "Concurrency", "Cells"],
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
     stdout_console().print(cmp.summary(result), markup=False, highlight=False)
+    accuracy = _accuracy(base, new)
     if args.json:
-        write_result(Path(args.json), cmp.to_json(result))
+        write_result(Path(args.json), {**cmp.to_json(result), **accuracy})
         info(f"comparison written to {args.json}")
     _plots(base_agg, new_agg, args)
     return 0

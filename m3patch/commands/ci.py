@@ -32,12 +32,14 @@ if TYPE_CHECKING:
     from m3patch.run.steps import Step, StepDone, StepResult
 from m3patch.output import info
 from m3patch.patching import report_json
+from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
 
 SUMMARY = "ci.json"
 SERVE_LOG = "ci-serve.log"
+EVAL_LOG = "ci-eval.log"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,17 +77,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def ci_steps(pipeline: RunPipeline) -> list[Step]:
-    return [("recipe", pipeline.load), ("apply-verify", pipeline.apply_verify),
-            ("serve-sweep", lambda: _serve_sweep(pipeline)), ("results", pipeline.results)]
+    when = pipeline.eval_when()
+    steps: list[Step] = [
+        ("recipe", pipeline.load), ("apply-verify", pipeline.apply_verify),
+        ("serve-sweep", lambda: _serve_sweep(pipeline, when is EvalWhen.BEFORE_SWEEP)),
+        ("results", pipeline.results)]
+    if when is EvalWhen.AFTER_SWEEP:  # the sweep's results are kept when the gate fails
+        steps.append(("eval", lambda: _eval(pipeline)))
+    return steps
 
 
-def _serve_sweep(pipeline: RunPipeline) -> StepDone:
+def _serve_sweep(pipeline: RunPipeline, eval_first: bool = False) -> StepDone:
     with teed_output(pipeline.planned.run_dir / SERVE_LOG):
         served = pipeline.serve()
+        if eval_first:
+            pipeline.eval()
         swept = pipeline.sweep()
     if served.status is StepStatus.SKIPPED:
         return StepDone(f"{served.message}; {swept.message}", (SERVE_LOG,))
     return StepDone("server ready, markers passed, sweep done", ("server.log", "serve.json", SERVE_LOG))
+
+
+def _eval(pipeline: RunPipeline) -> StepDone:
+    with teed_output(pipeline.planned.run_dir / EVAL_LOG):
+        done = pipeline.eval()
+    return StepDone(done.message, (*done.artifacts, EVAL_LOG), done.status)
 
 
 def _print_step(result: StepResult) -> None:

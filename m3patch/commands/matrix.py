@@ -3,6 +3,8 @@
     echo "matrix=$(m3patch matrix recipes/*.yaml)" >> "$GITHUB_OUTPUT"
     # then: strategy: {matrix: ${{ fromJSON(needs.plan.outputs.matrix) }}}
     #       run: m3patch bench ${{ matrix.recipe }} --only ${{ matrix.cell-id }}
+    m3patch matrix --evals-only recipes/*.yaml   # eval jobs only (InferenceX's evals-only)
+    m3patch matrix --all-evals recipes/*.yaml    # an eval job per recipe; each must declare one
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import json
 import sys
 
-from m3patch.bench.matrix import build_matrix
+from m3patch.bench.matrix import EvalJobs, build_matrix
 from m3patch.bench.spec import matrix_recipe
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
@@ -21,6 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipes", nargs="+", type=recipe_path, metavar="RECIPE")
     parser.add_argument("--per", choices=("cell", "recipe"), default="cell",
                         help="one job per sweep cell (default, InferenceX's shape) or per recipe")
+    evals = parser.add_mutually_exclusive_group()
+    evals.add_argument("--evals-only", dest="evals", action="store_const",
+                       const=EvalJobs.EVALS_ONLY, default=EvalJobs.NONE,
+                       help="only eval jobs, for the recipes with an eval section (no throughput)")
+    evals.add_argument("--all-evals", dest="evals", action="store_const",
+                       const=EvalJobs.ALL_EVALS,
+                       help="an eval job for every recipe given (no throughput); each needs an eval")
     parser.add_argument("--indent", type=int, default=None,
                         help="pretty-print (default: one line, as $GITHUB_OUTPUT needs)")
 
@@ -30,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
     # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
     # from, and names the recipe in a sweep error.
     recipes = [matrix_recipe(load_recipe(path), str(path)) for path in args.recipes]
-    matrix = build_matrix(recipes, per=args.per)
+    matrix = build_matrix(recipes, per=args.per, evals=args.evals)
     sys.stdout.write(json.dumps(matrix, indent=args.indent) + "\n")
     return 0

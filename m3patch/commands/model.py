@@ -7,16 +7,21 @@
             'm3patch[models]'`), honouring HF_TOKEN, HF_HOME / HF_HUB_CACHE and the pinned
             revision, then check again
 
-`serve`, `bench` and `ci` run the same check before they apply the series.
+`serve`, `bench` and `ci` run the same check before they apply the series. A recipe with an
+`eval:` section has its hub datasets checked too (the eval runs offline); `fetch` downloads
+them with lm-eval's own interpreter (eval.python) into the Hugging Face cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
+from m3patch.eval import datasets
 from m3patch.output import info, table
 from m3patch.recipe import model_files
+from m3patch.recipe.evals import EvalSpec
 from m3patch.recipe.loader import load_recipe
 
 
@@ -43,4 +48,20 @@ def run(args: argparse.Namespace) -> int:
            for p in found])
     model_files.require_present(recipe, env)
     info(f"{recipe.path}: model files present; the offline launch can load them")
+    if recipe.eval is not None:
+        _eval_datasets(recipe.eval, recipe.path, fetch=args.action == "fetch")
     return 0
+
+
+def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:
+    if fetch:
+        for line in datasets.fetch(spec, path):
+            info(f"eval dataset fetched: {line}")
+    hub = [t for t in spec.tasks if t.dataset is not None]
+    cache = datasets.hub_cache(os.environ)
+    table(f"eval datasets (Hugging Face cache {cache})", ["task", "dataset", "state"],
+          [[t.task, t.dataset, "present" if datasets.is_cached(t, cache) else "MISSING"]
+           for t in hub])
+    datasets.require_cached(spec, path)
+    info(f"{path}: eval datasets present ({len(hub)} from the hub, "
+         f"{len(spec.tasks) - len(hub)} local); the offline eval can load them")

@@ -2,7 +2,7 @@
 
 Sections by subject: target.py (what to serve: target, model, speculative), launch.py (how to
 launch: server, parallelism, env, vllm-args -> argv), gates.py (markers, counts, waivers),
-sweep.py (what to sweep), deadlines.py; paths.py expands `~` and `${VAR:-default}`.
+sweep.py (what to sweep), deadlines.py, evals.py (the accuracy gate); paths.py expands `~` and `${VAR:-default}`.
 Strict: unknown keys are errors with a suggestion, every error names the file and key path.
 `series` is relative to the recipe file. The argv is resolved here (pure); starting the process
 is the supervisor's job.
@@ -20,6 +20,7 @@ from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
 from m3patch.recipe import target as served
 from m3patch.recipe.deadlines import Deadlines, deadlines
+from m3patch.recipe.evals import EvalSpec, evals
 from m3patch.recipe.launch import Parallelism, flatten_vllm_args
 from m3patch.recipe.paths import expand
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
@@ -29,7 +30,7 @@ from m3patch.schema import SchemaError, at_key, check_keys, expect_mapping, expe
 from m3patch.yamlio import load_yaml_file
 
 TOP_KEYS = ("description", "server", "parallelism", "vllm-args", "env", "speculative", "markers",
-            "deadlines", "results", "topology")
+            "deadlines", "results", "topology", "eval")
 T = TypeVar("T")
 
 
@@ -54,6 +55,7 @@ class Recipe:
     deadlines: Deadlines
     results_dir: Path
     topology: Topology | None = None  # a multi-node set (recipe/topology.py); None: one server
+    eval: EvalSpec | None = None  # the accuracy gate (recipe/evals.py); None: no eval step
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
@@ -109,6 +111,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         sweep=swept, markers=marker_gates.markers, marker_counts=marker_gates.counts,
         marker_waivers=marker_gates.waivers,
         deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,
+        eval=_section(data, "eval", partial(evals, base=path.parent)),
     )
 
 

@@ -6,6 +6,9 @@
       -> serve         ServeSession: start vLLM, ready, marker gate (or an external --url server)
       -> sweep         every cell against it (bench.sweep); the server stops when this ends
       -> results       every cell file and aggregate.json read back; the plots (bench.runner)
+      -> eval          the recipe's accuracy gate (m3patch.eval) on the same server: after the
+                       results (the sweep's files are kept when it fails), or before the sweep
+                       (`eval.when: before-sweep`); no step when the recipe has no eval section
       => StepResults (run.steps), reduced once to the exit code
 
 The recipe step decides where the server comes from (ServerSource): a resumed run whose cells
@@ -39,9 +42,13 @@ from m3patch.bench.runner import (
     sweep_session,
 )
 from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
-from m3patch.errors import UsageError
+from m3patch.errors import M3PatchError, UsageError
+from m3patch.eval.compare import read_scores, record_path, run_rows
+from m3patch.eval.harness import Endpoint
+from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import write_bytes_atomic
-from m3patch.output import info
+from m3patch.output import info, table
+from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.run.steps import Step, StepDone, StepStatus
@@ -119,6 +126,14 @@ def echo_server_line(line: str) -> None:
     print(f"  | {line}", file=sys.stderr, flush=True)
 
 
+def show_scores(name: str, run_dir: Path) -> None:
+    """The accuracy table beside the throughput table, when the eval recorded scores."""
+    path = record_path(run_dir)
+    if path is not None:
+        table(f"{name}: accuracy", ["Task", "Metric", "Score", "Samples", "Gate"],
+              run_rows(read_scores(path)))
+
+
 def default_run_dir(recipe: Recipe, command: RunCommand, *, resume: bool) -> Path:
     """Under the recipe's results: serve-TIME, ci-NAME-TIME, or bench's UTC time (--resume:
     the newest earlier run)."""
@@ -182,8 +197,30 @@ class RunPipeline:
         return self.plan
 
     def steps(self) -> list[Step]:
-        return [("recipe", self.load), ("apply-verify", self.apply_verify), ("serve", self.serve),
-                ("sweep", self.sweep), ("results", self.results)]
+        steps: list[Step] = [("recipe", self.load), ("apply-verify", self.apply_verify),
+                             ("serve", self.serve), ("sweep", self.sweep), ("results", self.results)]
+        when = self.eval_when()
+        if when is EvalWhen.BEFORE_SWEEP:
+            steps.insert(3, ("eval", self.eval))
+        elif when is EvalWhen.AFTER_SWEEP:
+            steps.append(("eval", self.eval))
+        return steps
+
+    def eval_when(self) -> EvalWhen | None:
+        """Where the eval step goes (serve --bench and ci; bench only sweeps); a recipe that
+        does not load fails in the recipe step."""
+        if self.spec.command is RunCommand.BENCH:
+            return None
+        try:
+            spec = load_recipe(self.spec.recipe_path).eval
+        except M3PatchError:
+            return None
+        return spec.when if spec is not None else None
+
+    def _evaluates_after_sweep(self) -> bool:
+        spec = self.planned.recipe.eval
+        return (self.spec.command is not RunCommand.BENCH and spec is not None
+                and spec.when is EvalWhen.AFTER_SWEEP)
 
     def load(self) -> StepDone:
         self.plan = plan_run(self.spec)
@@ -193,6 +230,10 @@ class RunPipeline:
             # Before apply-verify: a node without the weights fails here with the tree untouched.
             require_present(self.plan.recipe)
             where += "; model files on disk"
+        if (self.plan.recipe.eval is not None and self.plan.source is not ServerSource.NONE
+                and self.spec.command is not RunCommand.BENCH):
+            # Before any server time: lm-eval installed, every eval dataset cached (offline).
+            preflight(self.plan.recipe.eval, self.plan.recipe.path)
         return StepDone(where + ")")
 
     def apply_verify(self) -> StepDone:
@@ -233,7 +274,9 @@ class RunPipeline:
     def sweep(self) -> StepDone:
         """Sweep the cells; the server is stopped when the sweep ends, passed or not."""
         plan = self.planned
-        with self._held:
+        # An eval after the sweep needs the same server: the eval step stops it then.
+        keep = self._evaluates_after_sweep() and plan.source is not ServerSource.NONE
+        with contextlib.nullcontext() if keep else self._held:
             if plan.source is ServerSource.NONE:
                 reaggregate(plan.recipe, plan.run_dir, plan.cells)
                 return StepDone(f"{len(plan.cells)} cell(s) kept; aggregated without a server")
@@ -251,3 +294,21 @@ class RunPipeline:
         names = tuple(p.relative_to(run_dir).as_posix() for p in (*cells, *plots))
         return StepDone(f"{len(cells)} cells, aggregate ok, {len(plots)} plots",
                         ("aggregate.json", "aggregate.csv", *names))
+
+    def eval(self) -> StepDone:
+        """The accuracy gate on the sweep's server; the server stops when this ends."""
+        plan = self.planned
+        assert plan.recipe.eval is not None, "only recipes with an eval section have this step"
+        with self._held if self._evaluates_after_sweep() else contextlib.nullcontext():
+            if plan.source is ServerSource.NONE:
+                return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+            assert self.server is not None, "the serve step runs first"
+            target = self.server.target
+            provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)
+            endpoint = Endpoint(target.base_url, target.served_model, plan.recipe.deadlines.request_s)
+            try:
+                outcome = evaluate(plan.recipe.eval, plan.run_dir, endpoint,
+                                   check_server=self.server.check, provenance=provenance)
+            finally:
+                show_scores(plan.recipe.name, plan.run_dir)
+        return StepDone(outcome.summary(), (f"{EVAL_DIR}/eval.json",))

@@ -49,6 +49,7 @@ def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None
     data["model"]["source"] = str(model)
     data["series"] = str(SERIES)
     data["server"]["port"] = _free_port()
+    data.pop("eval", None)  # the sweep under test; the accuracy gate has tests/serving/test_serving_eval.py
     if sweep is not None:
         data["sweep"].update(sweep)
     path.write_text(yaml.safe_dump(data, sort_keys=False))

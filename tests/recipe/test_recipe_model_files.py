@@ -67,6 +67,7 @@ def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def write_recipe(tmp_path: Path, name: str = "mi300x_tp8_eagle3", **model: str | None) -> Path:
     data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
     data["series"] = str(REPO / "patches" / "vllm-0.33.0")
+    data.pop("eval", None)  # model files only; eval datasets: tests/eval/test_eval_datasets.py
     for key, value in model.items():
         if value is None:
             data["model"].pop(key, None)

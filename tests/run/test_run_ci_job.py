@@ -29,6 +29,7 @@ def _recipe(tmp_path: Path) -> Path:
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # vLLM's client rejects 1.0
+    text = text.split("\neval:")[0] + "\n"  # the job's steps; the gate: test_serving_eval.py
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
     return path
@@ -89,7 +90,8 @@ def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp
     assert done.returncode == 0, done.stderr
     steps = json.loads((run / ci.SUMMARY).read_text())["steps"]
     assert [(s["name"], s["status"]) for s in steps] == [
-        ("recipe", "ok"), ("apply-verify", "skipped"), ("serve-sweep", "ok"), ("results", "ok")]
+        ("recipe", "ok"), ("apply-verify", "skipped"), ("serve-sweep", "ok"), ("results", "ok"),
+        ("eval", "skipped")]  # no server to ask: every cell was already measured
     assert steps[3]["message"] == "3 cells, aggregate ok, 2 plots"
     assert "aggregated" in (run / ci.SERVE_LOG).read_text()  # the step's own output, teed
     assert not (run / "ledger.json").exists() and not (run / "server.log").exists()
@@ -110,6 +112,7 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     text = text.replace("series: ../patches/", f"series: {REPO}/patches/")
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # m3patch bench rejects 1.0
+    text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     recipe = tmp_path / "cpu_tiny_moe.yaml"
     recipe.write_text(text)
     run_dir = tmp_path / "run"
@@ -120,8 +123,9 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / ci.SUMMARY).read_text())
-    assert [s["status"] for s in summary["steps"]] == ["ok"] * 4
-    for artifact in ("server.log", "serve.json", "aggregate.json", "aggregate.csv", "ledger.json"):
+    assert [s["status"] for s in summary["steps"]] == ["ok"] * 5  # the last: the accuracy gate
+    for artifact in ("server.log", "serve.json", "aggregate.json", "aggregate.csv", "ledger.json",
+                     "eval/eval.json"):
         assert (run_dir / artifact).is_file(), artifact
     assert len(list((run_dir / "cells").glob("*.json"))) >= 2
     assert len(list(run_dir.rglob("*.png"))) == 2

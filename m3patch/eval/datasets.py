@@ -1,0 +1,83 @@
+"""Where an eval task's data comes from, whether it is there, and the one way to fetch it.
+
+A local task (`task-dir`) carries its data; a hub task names its dataset (`dataset: ORG/NAME`)
+and must be in the Hugging Face hub cache (`datasets--ORG--NAME/snapshots/<commit>/`) before the
+offline run: the harness runs with the hub offline and would otherwise fail late, after the
+sweep. `fetch` is the effect: lm-eval's own interpreter loads each dataset once, online, into
+that cache (the same `datasets` library that will read it offline).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from m3patch.errors import EvalError, ModelMissing
+from m3patch.recipe.evals import EvalSpec, EvalTask
+
+FETCH_TIMEOUT_S = 1800
+# Run in lm-eval's venv: load the dataset online (and so into the hub cache), print its splits.
+FETCH_SCRIPT = ("import sys, datasets; "
+                "d = datasets.load_dataset(sys.argv[1], sys.argv[2] or None); "
+                "print({k: len(v) for k, v in d.items()})")
+
+
+def hub_cache(env: Mapping[str, str]) -> Path:
+    """huggingface_hub's own order: HF_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME, ~/.cache."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return Path(env[name]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = env.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path("~/.cache").expanduser()) / "huggingface" / "hub"
+
+
+def dataset_folder(cache: Path, dataset: str) -> Path:
+    return cache / ("datasets--" + dataset.replace("/", "--"))
+
+
+def is_cached(task: EvalTask, cache: Path) -> bool:
+    if task.dataset is None:
+        return True  # a local task, or one whose data the recipe does not name
+    snapshots = dataset_folder(cache, task.dataset) / "snapshots"
+    return snapshots.is_dir() and any(p.is_dir() and any(p.iterdir()) for p in snapshots.iterdir())
+
+
+def missing(spec: EvalSpec, env: Mapping[str, str] | None = None) -> tuple[EvalTask, ...]:
+    cache = hub_cache(os.environ if env is None else env)
+    return tuple(t for t in spec.tasks if not is_cached(t, cache))
+
+
+def require_cached(spec: EvalSpec, recipe_path: Path, env: Mapping[str, str] | None = None) -> None:
+    """Fail before the harness starts (and before the sweep) when a dataset is not cached."""
+    absent = missing(spec, env)
+    if absent:
+        cache = hub_cache(os.environ if env is None else env)
+        names = ", ".join(f"{t.task} ({t.dataset})" for t in absent)
+        msg = f"{recipe_path}: eval dataset not in {cache}: {names} (the eval runs offline)"
+        raise EvalError(msg, hint=f"m3patch model fetch {recipe_path}")
+
+
+def fetch(spec: EvalSpec, recipe_path: Path) -> tuple[str, ...]:
+    """Download each missing hub dataset with lm-eval's interpreter; returns what was fetched."""
+    fetched = []
+    for task in missing(spec):
+        assert task.dataset is not None
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+        argv = [spec.python, "-c", FETCH_SCRIPT, task.dataset, task.dataset_name or ""]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env,
+                                  timeout=FETCH_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}: {exc}"
+            raise ModelMissing(msg, hint="bash scripts/setup_lm_eval.sh; check the network") from None
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}:\n{tail}"
+            raise ModelMissing(msg, hint="check the network (HTTPS_PROXY) and the dataset id")
+        fetched.append(f"{task.dataset} {done.stdout.strip()}")
+    return tuple(fetched)
