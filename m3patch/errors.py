@@ -23,6 +23,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 17   | ResultsInvalid        | a benchmark result file is missing or malformed                |
 | 18   | ServerDied            | vllm serve died or stopped answering after it was ready        |
 | 19   | ModelMissing          | the recipe's model/draft/tokenizer is not on disk (fetch it)   |
+| 24   | LaunchRejected        | vLLM's own parser / env list refuses the recipe's launch       |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -120,6 +121,14 @@ class ServerDied(M3PatchError):
 
 class ModelMissing(M3PatchError):
     exit_code = 19
+
+
+class LaunchRejected(M3PatchError):
+    """The target vLLM's own argument parser (or its list of environment variables) refuses
+    the launch a recipe renders, or that check could not run; raised before the tree or a node
+    is touched."""
+
+    exit_code = 24
 
 
 class Interrupted(M3PatchError):

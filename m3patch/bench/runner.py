@@ -63,8 +63,11 @@ def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[
 def sweep_session(
     recipe: Recipe, python: str, target: BenchTarget, settings: SweepSettings,
     cells: Sequence[Cell], check_server: Callable[[], None], *, server: str = spec.SESSION_SERVER,
+    server_warnings: Sequence[dict[str, object]] = (),
 ) -> SweepOutcome:
     provenance = spec.provenance(recipe, python, server)
+    # `warn` markers the server logged by readiness: reported beside every number they touch.
+    provenance["server_warnings"] = list(server_warnings)
     return run_sweep(
         cells, target, settings, provenance=provenance,
         meta=run_meta(recipe, settings.run_dir, provenance),

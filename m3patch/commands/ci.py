@@ -30,7 +30,7 @@ from m3patch.fsio import write_json_atomic
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
-from m3patch.output import info
+from m3patch.output import info, warn
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
@@ -57,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_steps(ci_steps(pipeline), _print_step)
     run_dir = pipeline.plan.run_dir if pipeline.plan is not None else spec.run_dir
     if run_dir is not None:  # no run folder is known before the recipe names one
-        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code)
+        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code,
+                      warnings=pipeline.warnings)
     code = finish(outcome)
+    for found in pipeline.warnings:
+        warn(f"ci: warning marker {found['id']!r}: {found['first']}"
+             + (f"; fix: {found['fix']}" if found.get("fix") else ""))
     info(f"ci: all steps passed; artifacts in {run_dir}")
     return code
 
@@ -120,9 +124,11 @@ def teed_output(log_path: Path) -> Iterator[None]:
             raise
 
 
-def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int) -> None:
+def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int, *,
+                  warnings: Sequence[dict[str, object]] = ()) -> None:
     data = {
         "schema": 1, "recipe": str(recipe), "run_dir": str(run_dir),
         "exit_code": code, "steps": [r.to_json() for r in results],
+        "warnings": list(warnings),  # `warn` markers: reported, never a failure
     }
     write_json_atomic(Path(run_dir) / SUMMARY, data)

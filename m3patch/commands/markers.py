@@ -7,7 +7,7 @@ from pathlib import Path
 
 from m3patch.errors import UsageError
 from m3patch.markers import MarkerChecker, check_log_bytes
-from m3patch.output import table
+from m3patch.output import table, warn
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers
@@ -37,4 +37,6 @@ def run(args: argparse.Namespace) -> int:
     table(f"markers in {args.log}", ["id", "kind", "text", "expected", "seen", "declared by"], rows)
     check_log_bytes(data, specs, log_name=str(args.log),
                     hint=f"fix the launch of {recipe.path}, then `m3patch serve {recipe.path}`")
+    for found in summary.warnings():  # reported, never a failure (exit 0)
+        warn(found.line(str(args.log)))
     return 0

@@ -15,6 +15,7 @@ from m3patch.output import info, table
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers, plan_launch
+from m3patch.serving.vllm_parser import check_cached, check_launch
 
 if TYPE_CHECKING:
     from m3patch.bench.cells import Cell
@@ -36,7 +37,9 @@ def _validate(files: list[Path]) -> int:
     first_error: M3PatchError | None = None
     for path in files:
         try:
-            all_markers(load_recipe(path), None)
+            recipe = load_recipe(path)
+            all_markers(recipe, None)
+            check_cached(recipe)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
@@ -45,15 +48,20 @@ def _validate(files: list[Path]) -> int:
     return 0 if first_error is None else first_error.exit_code
 
 
-def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
-    """Print what `serve` would run; shared with `serve --dry-run`."""
+def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
+              check: bool = False) -> None:
+    """Print what `serve` would run; shared with `serve --dry-run`, which (`check`) first has
+    the target interpreter's own vLLM parse it (LaunchRejected, exit 24, if it would not)."""
 
     recipe = load_recipe(recipe_path)
     interpreter = python or recipe.target.python or sys.executable
     log = recipe.results_dir / "<run>" / "server.log"
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
+    checked = check_launch(recipe, interpreter, plan.spec.env) if check else None
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
+    if checked is not None:
+        print(f"# launch checked by {checked.checked_by}")
     print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
     print("  " + shlex.join(plan.spec.argv))
     print("\n".join(marker_lines(plan.markers)))

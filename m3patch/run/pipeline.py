@@ -47,6 +47,7 @@ from m3patch.recipe.model_files import require_present
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
+from m3patch.serving.vllm_parser import check_launch
 
 LEDGER_COPY = "ledger.json"
 
@@ -113,6 +114,13 @@ class ServerHandle:
     target: BenchTarget
     check: Callable[[], None]
     label: str  # provenance's `server`
+    warnings: tuple[dict[str, object], ...] = ()  # `warn` markers seen by readiness
+
+
+def warning_note(warnings: tuple[dict[str, object], ...]) -> str:
+    """The run summary's mention of `warn` markers: id and fix, never a failure."""
+    parts = [f"{w['id']}" + (f" (fix: {w['fix']})" if w.get("fix") else "") for w in warnings]
+    return f"; WARNING: {', '.join(parts)}" if parts else ""
 
 
 def echo_server_line(line: str) -> None:
@@ -168,6 +176,7 @@ class RunPipeline:
         self.ledger_sha256: str | None = None
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
+        self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
 
     def __enter__(self) -> RunPipeline:
         return self
@@ -192,7 +201,9 @@ class RunPipeline:
         if self.plan.source is ServerSource.LAUNCHED:
             # Before apply-verify: a node without the weights fails here with the tree untouched.
             require_present(self.plan.recipe)
-            where += "; model files on disk"
+            # vLLM's own parser, before the tree changes or the node loads anything.
+            checked = check_launch(self.plan.recipe, self.plan.python)
+            where += f"; model files on disk; launch checked by {checked.checked_by}"
         return StepDone(where + ")")
 
     def apply_verify(self) -> StepDone:
@@ -218,9 +229,11 @@ class RunPipeline:
             plan.recipe, plan.run_dir, python=plan.python, port=self.spec.port,
             echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
         target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
-        self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
+        warnings = tuple(session.warnings_json())
+        self.warnings += warnings
+        self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER, warnings)
         info(session.ready_line())
-        return StepDone(session.ready_line(), ("server.log", "serve.json"))
+        return StepDone(session.ready_line() + warning_note(warnings), ("server.log", "serve.json"))
 
     def _external(self, base_url: str) -> ServerHandle:
         plan = self.planned
@@ -239,7 +252,8 @@ class RunPipeline:
                 return StepDone(f"{len(plan.cells)} cell(s) kept; aggregated without a server")
             assert self.server is not None, "the serve step runs first"
             outcome = sweep_session(plan.recipe, plan.python, self.server.target, plan.settings,
-                                    plan.cells, self.server.check, server=self.server.label)
+                                    plan.cells, self.server.check, server=self.server.label,
+                                    server_warnings=self.server.warnings)
         return StepDone(f"{len(outcome.measured)} cell(s) measured, {len(outcome.skipped)} kept",
                         ("cells", "aggregate.json", "aggregate.csv"))
 
