@@ -50,6 +50,7 @@ def cell_job(recipe: MatrixRecipe, cell: Cell) -> dict[str, Any]:
         "exp-name": exp_name(recipe, cell.seq), "cell-id": cell.cell_id,
         "isl": cell.seq.isl, "osl": cell.seq.osl, "conc": cell.concurrency,
         "max-model-len": cell.seq.max_model_len, "random-range-ratio": cell.range_ratio,
+        "length-convention": cell.length_convention,
         "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
         "gpus": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip

@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,10 @@ def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
     sweep = recipe.sweep
     rows = [(row.isl, row.osl, row.concurrencies) for row in sweep.rows]
     with in_recipe(recipe):
-        return sweep_cells(rows, parallelism_of(recipe), sweep.range_ratio,
-                           sweep.prompts_per_concurrency, sweep.warmups_per_concurrency)
+        cells = sweep_cells(rows, parallelism_of(recipe), sweep.range_ratio,
+                            sweep.prompts_per_concurrency, sweep.warmups_per_concurrency,
+                            convention=sweep.length_convention)
+    return tuple(replace(cell, chat=sweep.chat) for cell in cells) if sweep.chat else cells
 
 
 def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:

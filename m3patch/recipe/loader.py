@@ -92,7 +92,8 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         results = Path(expand(expect_str(data.get("results", f"results/{name}"))))
     marker_gates = _section(data, "markers", partial(gates.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", launch.server)
-    swept = _section(data, "sweep", sweep)
+    platform = _section(data, "target", served.target).platform
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu"))
     check_lengths_fit(swept, data.get("vllm-args"))
     return Recipe(
         name=name, path=path, description=str(data.get("description", "")).strip(),
