@@ -52,6 +52,7 @@ class Recipe:
     marker_waivers: tuple[tuple[str, str], ...]
     deadlines: Deadlines
     results_dir: Path
+    vllm_args_raw: tuple[tuple[str, Any], ...] = ()  # as written: regions merge over it
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
@@ -104,6 +105,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         sweep=swept, markers=marker_gates.markers, marker_counts=marker_gates.counts,
         marker_waivers=marker_gates.waivers,
         deadlines=_section(data, "deadlines", deadlines), results_dir=results,
+        vllm_args_raw=tuple(expect_mapping(data.get("vllm-args", {})).items()),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from m3patch.recipe.lengths import INFERENCEX, VLLM, longest
+from m3patch.recipe.regions import PER_CELL, Region, regions
 from m3patch.schema import (
     SchemaError,
     at_key,
@@ -44,6 +45,8 @@ class Sweep:
     range_ratio: float
     length_convention: str = VLLM  # INFERENCEX: range_ratio is InferenceX's r ([int(L*r), L])
     chat: bool = False
+    regions: tuple[Region, ...] = ()  # server overrides by isl/osl/concurrency (recipe.regions)
+    per_cell_max_model_len: bool = False  # each cell's server gets isl + osl + 256
 
     def num_prompts(self, concurrency: int) -> int:
         return self.prompts_per_concurrency * concurrency
@@ -111,7 +114,7 @@ def sweep(raw: object, *, gpu: bool = False) -> Sweep:
     data = expect_mapping(raw)
     check_keys(data, required=("rows",), optional=(
         "prompts-per-concurrency", "warmups-per-concurrency", "range-ratio", INFERENCEX_KEY,
-        "client"))
+        "client", "regions", "max-model-len"))
     rows = []
     with at_key("rows"):
         if not isinstance(data["rows"], list) or not data["rows"]:
@@ -123,9 +126,17 @@ def sweep(raw: object, *, gpu: bool = False) -> Sweep:
     ratio, convention = _spread(data, gpu)
     with at_key("client"):
         client = expect_choice(data.get("client", "completions"), ("completions", "chat"))
+    with at_key("regions"):
+        server_regions = regions(data.get("regions", []))
+    with at_key("max-model-len"):
+        per_cell = expect_choice(data.get("max-model-len", "recipe"), ("recipe", PER_CELL))
+        if per_cell == PER_CELL and convention == VLLM and ratio > 0:
+            msg = ("per-cell max-model-len is isl + osl + 256, which vLLM's range-ratio > 0 "
+                   f"overflows; use {INFERENCEX_KEY} (never above isl + osl)")
+            raise SchemaError(msg)
     return Sweep(tuple(rows), expect_int(data.get("prompts-per-concurrency", 10), minimum=1),
                  expect_int(data.get("warmups-per-concurrency", 2), minimum=0), ratio,
-                 convention, client == "chat")
+                 convention, client == "chat", server_regions, per_cell == PER_CELL)
 
 
 def check_lengths_fit(sweep: Sweep, vllm_args: object) -> None:
@@ -134,6 +145,8 @@ def check_lengths_fit(sweep: Sweep, vllm_args: object) -> None:
     vLLM's convention reaches ceil(isl(1+r)) + ceil(osl(1+r)); InferenceX's never passes isl + osl.
     """
     limit = vllm_args.get("max-model-len") if isinstance(vllm_args, dict) else None
+    if sweep.per_cell_max_model_len:
+        return  # each cell's server is sized for it (checked where per-cell is parsed)
     if isinstance(limit, bool) or not isinstance(limit, int):
         return
     for index, row in enumerate(sweep.rows):
