@@ -6,6 +6,7 @@ reads m3patch.recipe.loader's dataclasses, so a recipe schema change touches one
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -92,7 +93,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
         "gpu_count": parallelism_of(recipe).gpu_count,
         "vllm_version": tree.version, "vllm_commit": tree.commit, "vllm_root": str(tree.root),
         "series": None, "patches": [], "ledger_sha256": None, "server": server,
-        "verified": server == SESSION_SERVER,
+        "verified": server == SESSION_SERVER, "spec_decoding": spec_decoding_of(recipe),
     }  # fmt: skip
     if ledger is None:
         return base
@@ -100,6 +101,14 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
                 ledger_sha256=digest(ledger_path(tree.root).read_bytes()),
                 vllm_version=ledger.vllm_version, vllm_commit=ledger.vllm_commit)
     return base
+
+
+def spec_decoding_of(recipe: Recipe) -> str:
+    """InferenceX's `spec_decoding` value: "none", else the recipe's speculative method."""
+    if recipe.speculative_json is None:
+        return "none"
+    method = json.loads(recipe.speculative_json).get("method")
+    return method if isinstance(method, str) else "none"
 
 
 def _patch_hashes(recipe: Recipe, patch_ids: tuple[str, ...]) -> list[dict[str, str | None]]:

@@ -208,7 +208,9 @@ def test_not_ready_by_deadline_exits_11(cpu_venv: Path, tiny_model: Path,
     started = time.monotonic()
     result = serve(recipe, tmp_path / "run")
     assert result.returncode == 11, result.stderr
-    assert time.monotonic() - started < 60
+    # The preflight (vLLM's own parser on the launch, 15-40 s on a busy host) runs first; a real
+    # start plus the first request takes minutes here, so the 3 s deadline still shows.
+    assert time.monotonic() - started < 120
     assert "not ready after 3 s" in result.stderr
     assert_no_server_left(tmp_path / "run")
 
