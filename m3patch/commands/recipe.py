@@ -14,6 +14,7 @@ from m3patch.errors import M3PatchError
 from m3patch.output import info, table
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
+from m3patch.recipe.regions import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
 from m3patch.serving.vllm_parser import check_cached, check_launch
 
@@ -57,7 +58,10 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     interpreter = python or recipe.target.python or sys.executable
     log = recipe.results_dir / "<run>" / "server.log"
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
-    checked = check_launch(recipe, interpreter, plan.spec.env) if check else None
+    # Every server form the sweep starts (one per server group) goes through vLLM's parser.
+    checked = None
+    for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
+        checked = check_launch(group.recipe, interpreter, plan.spec.env)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     if checked is not None:
@@ -69,8 +73,15 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
-          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
+          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
+          f"({recipe.sweep.length_convention}'s convention))",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+    groups = server_groups(recipe, recipe_cells(recipe))
+    if len(groups) > 1:
+        base = set(recipe.vllm_args)
+        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
+              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
+                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
