@@ -175,3 +175,15 @@ def test_probe_deadline_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(vp.DEADLINE_ENV, "nan")
     with pytest.raises(LaunchRejected, match="not a positive number"):
         vp.deadline_s()
+
+
+def test_dry_run_checks_every_server_group(tmp_path: Path, cpu_python: str,
+                                           m3patch_cli: object) -> None:
+    # The recipe's own server is fine; only the region's server carries the abbreviation.
+    path = variant(tmp_path, cpu_python)
+    data = yaml.safe_load(path.read_text())
+    data["sweep"]["regions"] = [{"when": {"conc-min": 2}, "vllm-args": {"max-num-seq": 4}}]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = m3patch_cli("serve", str(path), "--dry-run", timeout=600)  # type: ignore[operator]
+    assert result.returncode == 24, result.stderr
+    assert "vllm-args.max-num-seq: --max-num-seq is an abbreviation" in result.stderr
