@@ -20,7 +20,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
@@ -267,7 +267,11 @@ class RunPipeline:
                      + warning_note(warnings))
                 target = BenchTarget(Path(session.python), session.base_url, session.model,
                                      session.tokenizer)
-                outcome = sweep_session(group.recipe, plan.python, target, plan.settings, cells,
+                # The folder's only results are this run's earlier groups (plan_run refused any
+                # others before a server started): keep them, as a resume would.
+                settings = plan.settings if group.index == 1 else replace(plan.settings,
+                                                                          resume=True)
+                outcome = sweep_session(group.recipe, plan.python, target, settings, cells,
                                         session.check_alive, server_warnings=warnings)
             measured, kept = measured + len(outcome.measured), kept + len(outcome.skipped)
         reaggregate(plan.recipe, plan.run_dir, plan.cells,
