@@ -27,6 +27,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 21   | EvalError             | the eval could not score: harness failed, task/metric missing, server died |
 | 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
 | 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
+| 24   | LaunchRejected        | vLLM's own parser / env list refuses the recipe's launch       |
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, ledger, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
@@ -145,6 +146,14 @@ class MarkerUnprintable(M3PatchError):
     exit_code = 23
 
 
+class LaunchRejected(M3PatchError):
+    """The target vLLM's own argument parser (or its list of environment variables) refuses
+    the launch a recipe renders, or that check could not run; raised before the tree or a node
+    is touched."""
+
+    exit_code = 24
+
+
 class NodeMismatch(M3PatchError):
     exit_code = 25
 
@@ -170,6 +179,6 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     UsageError, VllmNotFound, VersionMismatch, PatchConflict, VerifyFailed, TreeIOError,
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
-    EvalFailed, EvalError, PortConflict, MarkerUnprintable, NodeMismatch, NodeLost, OutputFailed,
-    Interrupted,
+    EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
+    NodeLost, OutputFailed, Interrupted,
 )

@@ -2,7 +2,8 @@
 
 A marker is a substring (or `regex:PATTERN`) searched in each log line. Required markers must
 have appeared by readiness (exactly `count` times where one is given); a forbidden marker fails
-the run whenever it appears. `MarkerSpec` is the shared vocabulary: the series manifest loader
+the run whenever it appears; a `warn` marker never stops the run but, when it appears, is
+reported (run summary, serve.json, the results' provenance, ci.json) with its `fix`. `MarkerSpec` is the shared vocabulary: the series manifest loader
 and the recipe loader both build it, serving and `markers check` consume it. `MarkerChecker` is
 fed raw chunks of the server's output as they arrive, so a line split across two writes (or a
 UTF-8 character split across two reads) is matched once it is whole. No I/O here: the supervisor
@@ -20,8 +21,8 @@ from typing import Literal
 from m3patch.errors import MarkerForbidden, MarkerMissing, UsageError
 from m3patch.schema import suggest
 
-MarkerKind = Literal["required", "forbidden"]
-MARKER_KINDS: tuple[MarkerKind, ...] = ("required", "forbidden")
+MarkerKind = Literal["required", "forbidden", "warn"]
+MARKER_KINDS: tuple[MarkerKind, ...] = ("required", "forbidden", "warn")
 REGEX_PREFIX = "regex:"
 SHOWN_LINE_CHARS = 300
 
@@ -40,6 +41,7 @@ class MarkerSpec:
     declared_by: str
     count: int | None = None
     platforms: tuple[str, ...] = ()
+    fix: str | None = None  # warn markers: what removes the warning (shown with it)
 
     @property
     def regex(self) -> str | None:
@@ -65,6 +67,25 @@ class MarkerHit:
     def where(self, log_name: str) -> str:
         shown = self.line if len(self.line) <= SHOWN_LINE_CHARS else self.line[:SHOWN_LINE_CHARS] + "..."
         return f"{log_name}:{self.line_no}: {shown}"
+
+
+@dataclass(frozen=True)
+class MarkerWarning:
+    """A warn marker that appeared: how often, where first, and the fix the recipe gave."""
+
+    marker: MarkerSpec
+    count: int
+    first: MarkerHit
+
+    def line(self, log_name: str) -> str:
+        fix = f"; fix: {self.marker.fix}" if self.marker.fix else ""
+        return (f"warning {self.marker.id!r} ({self.count}x, declared by "
+                f"{self.marker.declared_by}) at {self.first.where(log_name)}{fix}")
+
+    def to_json(self, log_name: str) -> dict[str, object]:
+        return {"id": self.marker.id, "text": self.marker.text, "count": self.count,
+                "first": self.first.where(log_name), "fix": self.marker.fix,
+                "declared_by": self.marker.declared_by}
 
 
 @dataclass
@@ -125,6 +146,11 @@ class MarkerChecker:
             if seen == 0 or (spec.count is not None and seen != spec.count):
                 out.append((spec, seen))
         return out
+
+    def warnings(self) -> list[MarkerWarning]:
+        """The warn markers that appeared, in declaration order (they never stop the run)."""
+        return [MarkerWarning(s, self.counts[s.id], self.first_hit[s.id]) for s in self.specs
+                if s.kind == "warn" and s.id in self.first_hit]
 
     def raise_if_forbidden(self, *, hint: str) -> None:
         hits = self.forbidden_hits()

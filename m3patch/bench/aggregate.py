@@ -36,13 +36,14 @@ from m3patch.bench.results import (
 )
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json, write_bytes_atomic
+from m3patch.recipe.lengths import CONVENTIONS
 
 AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
 AGGREGATE_SCHEMA = 1
 CELLS_DIR = "cells"
-KEY_FIELDS = ("cell_id", "isl", "osl", "range_ratio", "concurrency", "tp", "pp", "ep", "dp",
-              "dp_attention", "gpu_count", "parallelism")
+KEY_FIELDS = ("cell_id", "isl", "osl", "range_ratio", "length_convention", "concurrency", "tp",
+              "pp", "ep", "dp", "dp_attention", "gpu_count", "parallelism")
 PROVENANCE_FIELDS = ("recipe_name", "recipe_sha256", "series", "image", "vllm_version")
 ALL_STATS = ("mean", "median", "std", "p90", "p99", "p99.9")
 LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in ALL_STATS)
@@ -77,7 +78,9 @@ def cell_row(data: dict[str, Any]) -> dict[str, Any]:
     cell, prov = data["m3patch"]["cell"], data["m3patch"]["provenance"]
     gpus = cell["gpu_count"]
     total, output = data["total_token_throughput"], data["output_throughput"]
-    row: dict[str, Any] = {key: cell.get(key) for key in KEY_FIELDS}
+    # Cell files from before the length convention was recorded keep rows without it (vLLM's).
+    row: dict[str, Any] = {key: cell.get(key) for key in KEY_FIELDS
+                           if key in cell or key != "length_convention"}
     row.update({key: prov.get(key) for key in PROVENANCE_FIELDS})
     row.update(
         completed=data["completed"], failed=data["failed"], duration=data["duration"],
@@ -229,8 +232,12 @@ def _check_row(row: object, where: str, file: Path) -> None:
     if not isinstance(row, dict):
         raise invalid(file, where, "expected an object")
     for key in (*KEY_FIELDS, "tput_per_gpu", "median_intvty"):
-        if key not in row:
+        if key not in row and key != "length_convention":  # older aggregates: vLLM's
             raise invalid(file, f"{where}.{key}", "missing")
+    convention = row.get("length_convention")
+    if convention is not None and convention not in CONVENTIONS:
+        raise invalid(file, f"{where}.length_convention",
+                      f"expected one of {', '.join(CONVENTIONS)}, got {convention!r}")
     for key in ("isl", "osl", "concurrency", "tp", "pp", "ep", "dp", "gpu_count"):
         value = row[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from m3patch.errors import UsageError
+from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 PROMPTS_PER_CONCURRENCY = 10
 WARMUPS_PER_CONCURRENCY = 2
@@ -86,6 +87,8 @@ class Cell:
     range_ratio: float
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY
+    length_convention: str = VLLM  # how range_ratio reads (recipe.lengths): vLLM's or InferenceX's
+    chat: bool = False  # the client uses /v1/chat/completions (the server's chat template)
 
     @property
     def num_prompts(self) -> int:
@@ -121,19 +124,24 @@ def expand(
     range_ratio: float,
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY,
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY,
+    *, convention: str = VLLM,
 ) -> tuple[Cell, ...]:
     """Every (isl/osl, concurrency) cell, in the order a sweep runs them."""
     if not seq_lens:
         msg = "the sweep has no isl/osl pairs"
         raise UsageError(msg, hint="add sweep.seq-lens entries such as {isl: 1024, osl: 1024}")
-    if not 0.0 <= range_ratio < 1.0:
+    if convention == INFERENCEX and not 0.0 < range_ratio <= 1.0:
+        msg = f"InferenceX range ratio {range_ratio} is outside (0, 1]"
+        raise UsageError(msg, hint="set sweep.inferencex-range-ratio in (0, 1]: 1 is a fixed length")
+    if convention != INFERENCEX and not 0.0 <= range_ratio < 1.0:
         msg = f"random range ratio {range_ratio} is outside [0, 1)"
         # The pre-0.9 client drew [L*r, L] (so 1.0 meant fixed); vLLM 0.33 draws [L(1-r), L(1+r)].
         hint = "set sweep.range-ratio in [0, 1): 0 gives fixed lengths in vLLM's client"
         raise UsageError(msg, hint=hint)
     concs = checked_concurrencies(concurrencies)
     return tuple(
-        Cell(seq, parallelism, conc, range_ratio, prompts_per_concurrency, warmups_per_concurrency)
+        Cell(seq, parallelism, conc, range_ratio, prompts_per_concurrency, warmups_per_concurrency,
+             convention)
         for seq in seq_lens
         for conc in concs
     )
@@ -148,6 +156,7 @@ def sweep_cells(
     range_ratio: float,
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY,
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY,
+    *, convention: str = VLLM,
 ) -> tuple[Cell, ...]:
     """Every cell of a sweep, in run order, each cell id once: exactly the rows' concurrencies.
 
@@ -157,7 +166,7 @@ def sweep_cells(
     cells: list[Cell] = []
     for isl, osl, concs in rows:
         cells += expand([SeqLen(isl, osl)], concs, parallelism, range_ratio,
-                        prompts_per_concurrency, warmups_per_concurrency)
+                        prompts_per_concurrency, warmups_per_concurrency, convention=convention)
     seen: set[str] = set()
     for cell in cells:
         if cell.cell_id in seen:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
+from m3patch.recipe.lengths import client_lengths
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 from m3patch.serving.processes import StopRung, stop_group
 
@@ -59,16 +60,18 @@ def bench_argv(
 ) -> list[str]:
     """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape)."""
     conc = cell.concurrency
+    # Spec-decoding runs in InferenceX send chat requests: the server applies the chat template.
+    backend = (["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"] if cell.chat
+               else ["--backend", "vllm"])
+    lengths = client_lengths(cell.seq.isl, cell.seq.osl, cell.range_ratio, cell.length_convention)
     return [
         str(target.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        "--backend", "vllm",
+        *backend,
         "--base-url", target.base_url,
         "--model", target.served_model,
         "--tokenizer", target.tokenizer,
         "--dataset-name", "random",
-        "--random-input-len", str(cell.seq.isl),
-        "--random-output-len", str(cell.seq.osl),
-        "--random-range-ratio", repr(cell.range_ratio),
+        *lengths.argv(),
         "--ignore-eos",
         "--num-prompts", str(cell.num_prompts),
         "--num-warmups", str(cell.num_warmups),

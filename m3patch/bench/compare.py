@@ -16,9 +16,11 @@ from typing import Any
 
 from m3patch.bench.aggregate import ALL_STATS, INTVTY_STATS
 from m3patch.bench.results import METRICS
+from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 # range_ratio too: another length distribution is another workload, not a speedup.
-SHAPE_FIELDS = ("isl", "osl", "range_ratio", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count")
+SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "tp", "pp", "ep", "dp",
+                "dp_attention", "gpu_count")
 DEFAULT_METRIC = "tput_per_gpu"
 METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
@@ -63,7 +65,9 @@ class Comparison:
 
 
 def shape(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(row[field] for field in SHAPE_FIELDS)
+    # Rows written before the convention was recorded used vLLM's.
+    filled = {**row, "length_convention": row.get("length_convention") or VLLM}
+    return tuple(filled[field] for field in SHAPE_FIELDS)
 
 
 def seq_label(row: dict[str, Any]) -> str:
@@ -75,8 +79,8 @@ def seq_label(row: dict[str, Any]) -> str:
 
 def describe(row: dict[str, Any]) -> str:
     ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
-    if row.get("range_ratio") is None:
-        ratio = " InferenceX lengths"
+    if row.get("length_convention") == INFERENCEX:
+        ratio += " InferenceX lengths"
     return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 

@@ -5,8 +5,10 @@ docs/inferencex-fields.md); a collection of them is a JSON array of such rows. O
 rows are read: a multi-node row's prefill/decode split has no m3patch shape to be compared with.
 Rows are validated like any file the tool reads back; the first problem names the file and key.
 
-An InferenceX row does not record its length distribution, so its `range_ratio` is null: it is
-compared with other InferenceX rows, and listed as another shape beside an m3patch run.
+An InferenceX row does not record its length distribution; InferenceX's benchmark_lib.sh runs
+its client with `--random-range-ratio 0.8` ([int(0.8 L), L]), so a row reads as
+`length_convention: inferencex, range_ratio: 0.8`: the same workload as an m3patch cell whose
+recipe says `inferencex-range-ratio: 0.8` (the GPU default), and another shape beside any other.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 from m3patch.bench.cells import Parallelism
 from m3patch.bench.results import invalid
+from m3patch.recipe.lengths import INFERENCEX
 
+INFERENCEX_RANGE_RATIO = 0.8  # benchmark_lib.sh run_benchmark_serving: --random-range-ratio 0.8
 SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them (docs/inferencex-fields.md)"
 # Keys that mark an object as an InferenceX row rather than an m3patch aggregate.
 SIGNATURE = ("conc", "hw", "tput_per_gpu")
@@ -51,7 +55,8 @@ def row_of(item: dict[str, Any], where: str, file: Path) -> dict[str, Any]:
                       dp_attention=_flag(item.get("dp_attention"), f"{at}dp_attention", file))
     return {
         **item, "isl": values["isl"], "osl": values["osl"], "tp": par.tp, "ep": par.ep,
-        "pp": par.pp, "dp": par.dp, "dp_attention": par.dp_attention, "range_ratio": None,
+        "pp": par.pp, "dp": par.dp, "dp_attention": par.dp_attention,
+        "range_ratio": INFERENCEX_RANGE_RATIO, "length_convention": INFERENCEX,
         "concurrency": values["conc"], "gpu_count": par.tp, "parallelism": par.label,
         "cell_id": f"inferencex-isl{values['isl']}-osl{values['osl']}-{par.slug}-c{values['conc']}",
     }  # fmt: skip

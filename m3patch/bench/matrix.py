@@ -43,6 +43,10 @@ class MatrixRecipe:
     parallelism: Parallelism
     cells: tuple[Cell, ...]  # from cells.sweep_cells, in run order
     eval_tasks: tuple[str, ...] = ()  # the recipe's eval task names; empty: no eval section
+    groups: tuple[tuple[str, ...], ...] = ()  # cell ids per server group (recipe.regions)
+
+    def group_of(self, cell_id: str) -> int:
+        return next((i for i, ids in enumerate(self.groups, start=1) if cell_id in ids), 1)
 
 
 def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
@@ -58,6 +62,7 @@ def cell_job(recipe: MatrixRecipe, cell: Cell) -> dict[str, Any]:
         "exp-name": exp_name(recipe, cell.seq), "cell-id": cell.cell_id,
         "isl": cell.seq.isl, "osl": cell.seq.osl, "conc": cell.concurrency,
         "max-model-len": cell.seq.max_model_len, "random-range-ratio": cell.range_ratio,
+        "length-convention": cell.length_convention, "server-group": recipe.group_of(cell.cell_id),
         "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
         "gpus": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip
@@ -100,14 +105,29 @@ def eval_jobs(recipes: Sequence[MatrixRecipe], mode: EvalJobs) -> list[dict[str,
     return [eval_job(r) for r in recipes if r.eval_tasks]
 
 
+def group_job(recipe: MatrixRecipe, index: int, cells: Sequence[Cell]) -> dict[str, Any]:
+    """One server group: `m3patch bench RECIPE <only-args>` starts one server for it."""
+    return {**recipe_job(recipe, cells), "server-group": index,
+            "only-args": " ".join(f"--only {cell.cell_id}" for cell in cells)}
+
+
+def _jobs(recipe: MatrixRecipe, per: str) -> list[dict[str, Any]]:
+    if per == "cell":
+        return [cell_job(recipe, c) for c in recipe.cells]
+    if per == "group":
+        groups = recipe.groups or (tuple(c.cell_id for c in recipe.cells),)
+        return [group_job(recipe, i, [c for c in recipe.cells if c.cell_id in ids])
+                for i, ids in enumerate(groups, start=1)]
+    return [recipe_job(recipe, recipe.cells)]
+
+
 def build_matrix(recipes: Sequence[MatrixRecipe], per: str = "cell",
                  evals: EvalJobs = EvalJobs.NONE) -> dict[str, Any]:
     jobs: list[dict[str, Any]] = []
     if evals is not EvalJobs.NONE:  # InferenceX: the eval modifiers suppress throughput
         return _limited(eval_jobs(recipes, evals))
     for recipe in recipes:
-        cells = recipe.cells
-        jobs += [cell_job(recipe, c) for c in cells] if per == "cell" else [recipe_job(recipe, cells)]
+        jobs += _jobs(recipe, per)
     return _limited(jobs)
 
 

@@ -85,11 +85,15 @@ def cell_failures(data: dict[str, Any], cell: Cell) -> list[str]:
     return problems
 
 
+CELL_RECORD_DEFAULTS = {"length_convention": "vllm", "chat": False}
+
+
 def cell_record(cell: Cell) -> dict[str, Any]:
     par = cell.parallelism
     return {
         "cell_id": cell.cell_id, "isl": cell.seq.isl, "osl": cell.seq.osl,
         "concurrency": cell.concurrency, "range_ratio": cell.range_ratio,
+        "length_convention": cell.length_convention, "chat": cell.chat,
         "num_prompts": cell.num_prompts, "num_warmups": cell.num_warmups,
         **asdict(par), "gpu_count": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip
@@ -139,5 +143,8 @@ def finished_cell(path: Path, cell: Cell) -> bool:
         data = read_cell_file(path)
     except ResultsInvalid:
         return False
-    same_cell = data["m3patch"]["cell"] == cell_record(cell)
+    # Files written before the length convention and chat client were recorded measured vLLM's
+    # convention over completions: read their absence as exactly that.
+    stored = {**CELL_RECORD_DEFAULTS, **data["m3patch"]["cell"]}
+    same_cell = stored == cell_record(cell)
     return same_cell and not cell_failures(data, cell)

@@ -63,8 +63,11 @@ def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[
 def sweep_session(
     recipe: Recipe, python: str, target: BenchTarget, settings: SweepSettings,
     cells: Sequence[Cell], check_server: Callable[[], None], *, server: str = spec.SESSION_SERVER,
+    server_warnings: Sequence[dict[str, object]] = (),
 ) -> SweepOutcome:
     provenance = spec.provenance(recipe, python, server)
+    # `warn` markers the server logged by readiness: reported beside every number they touch.
+    provenance["server_warnings"] = list(server_warnings)
     return run_sweep(
         cells, target, settings, provenance=provenance,
         meta=run_meta(recipe, settings.run_dir, provenance),
@@ -86,11 +89,13 @@ def health_probe(base_url: str, rerun: str) -> Callable[[], None]:
     return check
 
 
-def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell]) -> None:
+def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell], *,
+                note: str | None = None) -> None:
+    """aggregate.json over every cell's file (a resumed run, or one swept group by group)."""
     first = read_cell_file(run_dir / CELLS_DIR / f"{cells[0].cell_id}.json")
     meta = run_meta(recipe, run_dir, first["m3patch"]["provenance"])
     write_aggregate(run_dir, meta, [cell.cell_id for cell in cells])
-    info(f"every cell already has a valid result; aggregated {run_dir} without a server")
+    info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
 def all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:

@@ -6,10 +6,12 @@ reads m3patch.recipe.loader's dataclasses, so a recipe schema change touches one
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import find_vllm
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
+from m3patch.recipe.regions import server_groups
 
 IMAGE_ENV = "M3PATCH_IMAGE"
 # `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU
@@ -56,8 +59,10 @@ def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
     sweep = recipe.sweep
     rows = [(row.isl, row.osl, row.concurrencies) for row in sweep.rows]
     with in_recipe(recipe):
-        return sweep_cells(rows, parallelism_of(recipe), sweep.range_ratio,
-                           sweep.prompts_per_concurrency, sweep.warmups_per_concurrency)
+        cells = sweep_cells(rows, parallelism_of(recipe), sweep.range_ratio,
+                            sweep.prompts_per_concurrency, sweep.warmups_per_concurrency,
+                            convention=sweep.length_convention)
+    return tuple(replace(cell, chat=sweep.chat) for cell in cells) if sweep.chat else cells
 
 
 def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
@@ -67,10 +72,11 @@ def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
 
 
 def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
+    cells = recipe_cells(recipe)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
         image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
-        cells=recipe_cells(recipe),
+        cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip
 
@@ -96,7 +102,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
         "gpu_count": parallelism_of(recipe).gpu_count,
         "vllm_version": tree.version, "vllm_commit": tree.commit, "vllm_root": str(tree.root),
         "series": None, "patches": [], "ledger_sha256": None, "server": server,
-        "verified": server == SESSION_SERVER,
+        "verified": server == SESSION_SERVER, "spec_decoding": spec_decoding_of(recipe),
     }  # fmt: skip
     if ledger is None:
         return base
@@ -104,6 +110,14 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
                 ledger_sha256=digest(ledger_path(tree.root).read_bytes()),
                 vllm_version=ledger.vllm_version, vllm_commit=ledger.vllm_commit)
     return base
+
+
+def spec_decoding_of(recipe: Recipe) -> str:
+    """InferenceX's `spec_decoding` value: "none", else the recipe's speculative method."""
+    if recipe.speculative_json is None:
+        return "none"
+    method = json.loads(recipe.speculative_json).get("method")
+    return method if isinstance(method, str) else "none"
 
 
 def _patch_hashes(recipe: Recipe, patch_ids: tuple[str, ...]) -> list[dict[str, str | None]]:

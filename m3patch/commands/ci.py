@@ -30,7 +30,7 @@ from m3patch.fsio import write_json_atomic
 if TYPE_CHECKING:
     from m3patch.run.pipeline import RunPipeline
     from m3patch.run.steps import Step, StepDone, StepResult
-from m3patch.output import info
+from m3patch.output import info, warn
 from m3patch.patching import report_json
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.names import recipe_path
@@ -68,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
                            ledger_sha256=pipeline.ledger_sha256,
                            steps=[r.to_json() for r in outcome.results])
     if run_dir is not None:  # no run folder is known before the recipe names one
-        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code, fields)
+        write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code, fields,
+                      warnings=pipeline.warnings)
     code = finish(outcome)
+    for found in pipeline.warnings:
+        warn(f"ci: warning marker {found['id']!r}: {found['first']}"
+             + (f"; fix: {found['fix']}" if found.get("fix") else ""))
     info(f"ci: all steps passed; artifacts in {run_dir}")
     if args.json:
         report_json.finish(fields)
@@ -148,13 +152,15 @@ def teed_output(log_path: Path) -> Iterator[None]:
 
 
 def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int,
-                  report: Mapping[str, Any] | None = None) -> None:
+                  report: Mapping[str, Any] | None = None, *,
+                  warnings: Sequence[dict[str, object]] = ()) -> None:
     """ci.json: its own fields (schema 1, recipe, run_dir, exit_code, steps), plus the --json
     envelope's (tool_version, tree_root, vllm_version, series_id, mode, ledger_sha256, ok) with
     that envelope's schema as `report_schema` (`schema` stays ci.json's own)."""
     data: dict[str, Any] = {
         "schema": 1, "recipe": str(recipe), "run_dir": str(run_dir),
         "exit_code": code, "steps": [r.to_json() for r in results],
+        "warnings": list(warnings),  # `warn` markers: reported, never a failure
     }
     if report is not None:
         extra = {k: v for k, v in report.items() if k not in data and k != "schema"}

@@ -11,7 +11,7 @@ from m3patch.errors import UsageError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.markers import MarkerChecker, check_log_bytes
-from m3patch.output import info, table
+from m3patch.output import info, table, warn
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
@@ -49,6 +49,8 @@ def _check(args: argparse.Namespace) -> int:
     table(f"markers in {args.log}", ["id", "kind", "text", "expected", "seen", "declared by"], rows)
     check_log_bytes(data, specs, log_name=str(args.log),
                     hint=f"fix the launch of {recipe.path}, then `m3patch serve {recipe.path}`")
+    for found in summary.warnings():  # reported, never a failure (exit 0)
+        warn(found.line(str(args.log)))
     return 0
 
 

@@ -21,8 +21,9 @@ from m3patch.recipe.names import recipe_path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipes", nargs="+", type=recipe_path, metavar="RECIPE")
-    parser.add_argument("--per", choices=("cell", "recipe"), default="cell",
-                        help="one job per sweep cell (default, InferenceX's shape) or per recipe")
+    parser.add_argument("--per", choices=("cell", "group", "recipe"), default="cell",
+                        help="one job per sweep cell (default, InferenceX's shape), per server "
+                             "group (cells that share a server: `only` lists them), or per recipe")
     evals = parser.add_mutually_exclusive_group()
     evals.add_argument("--evals-only", dest="evals", action="store_const",
                        const=EvalJobs.EVALS_ONLY, default=EvalJobs.NONE,

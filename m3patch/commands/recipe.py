@@ -17,7 +17,9 @@ from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.output import info, table
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
+from m3patch.recipe.regions import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
+from m3patch.serving.vllm_parser import check_cached, check_launch
 
 if TYPE_CHECKING:
     from m3patch.bench.cells import Cell
@@ -46,6 +48,7 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
             all_markers(recipe, None)
             if lint_markers:
                 _lint_markers(recipe)
+            check_cached(recipe)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
@@ -67,17 +70,25 @@ def _lint_markers(recipe: Recipe) -> None:
                     f"`m3patch markers lint --recipe {recipe.path}`")
 
 
-def show_plan(recipe_path: Path, python: str | None, port: int | None = None) -> None:
-    """Print what `serve` would run; shared with `serve --dry-run`."""
+def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
+              check: bool = False) -> None:
+    """Print what `serve` would run; shared with `serve --dry-run`, which (`check`) first has
+    the target interpreter's own vLLM parse it (LaunchRejected, exit 24, if it would not)."""
 
     recipe = load_recipe(recipe_path)
     interpreter = python or recipe.target.python or sys.executable
     log = recipe.results_dir / "<run>" / "server.log"
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
+    # Every server form the sweep starts (one per server group) goes through vLLM's parser.
+    checked = None
+    for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
+        checked = check_launch(group.recipe, interpreter, plan.spec.env)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     if recipe.topology is not None:
         print("# a multi-node set: the single-server base below; each node's own command follows it")
+    if checked is not None:
+        print(f"# launch checked by {checked.checked_by}")
     print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
     print("  " + shlex.join(plan.spec.argv))
     print("\n".join(marker_lines(plan.markers)))
@@ -85,7 +96,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None) ->
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
     table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
-          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio})",
+          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
+          f"({recipe.sweep.length_convention}'s convention))",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
     if recipe.topology is not None:
         print("\n".join(topology_lines(recipe, interpreter)))
@@ -108,6 +120,12 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
                 "  " + shlex.join(plan.argv)]
         out += ["  " + line for line in marker_lines(plan.plan.markers)]
     return out
+    groups = server_groups(recipe, recipe_cells(recipe))
+    if len(groups) > 1:
+        base = set(recipe.vllm_args)
+        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
+              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
+                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:

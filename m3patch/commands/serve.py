@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", type=recipe_path,
                         help="recipe YAML or shipped recipe name (e.g. cpu_tiny_moe)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the argv, env and markers; apply and start nothing")
+                        help="check the launch with the target vLLM's own parser, print the argv, env and "
+                             "markers; apply and start nothing")
     parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
                                          "(default: the recipe's target.python, else this one)")
     parser.add_argument("--port", type=int, help="override server.port")
@@ -75,7 +76,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.dry_run:
-        show_plan(args.recipe, args.python, args.port)
+        show_plan(args.recipe, args.python, args.port, check=True)
         return 0
     signal.signal(signal.SIGTERM, _on_sigterm)  # SIGINT already raises KeyboardInterrupt (130)
     if (args.role is None) != (args.rank is None):

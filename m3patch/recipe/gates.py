@@ -1,4 +1,7 @@
-"""The recipe's marker gates: its own required / forbidden markers, expected counts, waivers.
+"""The recipe's marker gates: its own required / forbidden / warn markers, counts, waivers.
+
+A `warn` marker never stops the run; it names a `fix` (the command that removes the cause, e.g.
+a tuning run for a shape the series ships no table for), shown wherever the warning is reported.
 
 Series markers come from the series manifest; the recipe adds its own, sets how many times a
 marker must appear (`counts`) and may drop a series marker only by a reasoned waiver (`waive`).
@@ -24,7 +27,7 @@ from m3patch.schema import (
 
 @dataclass(frozen=True)
 class MarkerGates:
-    markers: tuple[MarkerSpec, ...]              # the recipe's own, required then forbidden
+    markers: tuple[MarkerSpec, ...]              # the recipe's own: required, forbidden, warn
     counts: tuple[tuple[str, int], ...]          # expected count by marker id
     waivers: tuple[tuple[str, str], ...]         # series marker id -> reason
 
@@ -44,15 +47,19 @@ def _marker_list(raw: object, kind: MarkerKind, source: str) -> list[MarkerSpec]
     for index, item in enumerate(expect_list(raw)):
         with at_key(index):
             data = expect_mapping(item)
-            optional = ("count",) if kind == "required" else ()
+            optional = ("count",) if kind == "required" else ("fix",) if kind == "warn" else ()
             check_keys(data, required=("id", "text"), optional=optional)
+            fix = None
+            if "fix" in data:
+                with at_key("fix"):
+                    fix = expect_str(data["fix"])
             count = None
             if "count" in data:
                 with at_key("count"):
                     count = expect_int(data["count"], minimum=1)
             text = expect_str(data["text"])
             _check_regex(text)
-            out.append(MarkerSpec(expect_str(data["id"]), kind, text, source, count))
+            out.append(MarkerSpec(expect_str(data["id"]), kind, text, source, count, fix=fix))
     return out
 
 
@@ -62,7 +69,7 @@ def markers(data: dict[str, Any], *, source: str) -> MarkerGates:
     A waiver needs a reason: it is printed at every launch and in `recipe show`, so dropping a
     series marker is always visible (e.g. a backend choice that never reaches the patched path).
     """
-    check_keys(data, optional=("required", "forbidden", "counts", "waive"))
+    check_keys(data, optional=("required", "forbidden", "warn", "counts", "waive"))
     specs: list[MarkerSpec] = []
     for kind in MARKER_KINDS:
         with at_key(kind):

@@ -2,9 +2,10 @@
 
 `vllm-args` are flattened into `vllm serve` arguments the way `vllm serve --config` does: `key:
 true` becomes `--key`, a list `--key a b`, a nested mapping `--key '<json>'`, and `key: false`
-`--no-key` only when that option exists (vLLM silently drops it otherwise). m3patch keeps the
-first three rules and makes the last one an error: a `false` the server would ignore is a recipe
-that does not do what it says. Options m3patch sets from other sections are refused here.
+`--no-key` only when that option exists (vLLM silently drops it otherwise). m3patch renders
+`false` as `--no-key` always and lets the target vLLM's own parser refuse a `--no-key` it does not
+have (m3patch.serving.vllm_parser, before the node is used): a `false` the server would ignore is
+a recipe that does not do what it says. Options m3patch sets from other sections are refused here.
 """
 
 from __future__ import annotations
@@ -83,42 +84,6 @@ def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-# Boolean options registered with BooleanOptionalAction (so `--no-X` exists) in vLLM 0.32.0 and
-# 0.33.0: the bool fields of EngineArgs and FrontendArgs, minus those added with
-# action="store_true". Taken from an AST scan of both pristine wheels
-# (vllm/engine/arg_utils.py, vllm/entrypoints/*/cli_args.py); refresh it with each new series.
-NEGATABLE_FLAGS = frozenset((
-    "allow-credentials", "allow-deprecated-quantization", "async-scheduling",
-    "cohere-is-reasoning-model", "cudagraph-metrics", "data-parallel-hybrid-lb",
-    "dcp-q-replicate", "disable-cascade-attn", "disable-chunked-mm-input",
-    "disable-custom-all-reduce", "disable-fastapi-docs", "disable-hybrid-kv-cache-manager",
-    "disable-nccl-for-dp-synchronization", "disable-sliding-window",
-    "disable-uvicorn-access-log", "enable-auto-tool-choice", "enable-batch-sharded-sampling",
-    "enable-chunked-prefill", "enable-cumem-allocator", "enable-dbo", "enable-elastic-ep",
-    "enable-ep-weight-filter", "enable-eplb", "enable-expert-parallel",
-    "enable-fault-tolerance", "enable-flash-late-interaction", "enable-flashinfer-autotune",
-    "enable-force-include-usage", "enable-hc-sp", "enable-layerwise-nvtx-tracing",
-    "enable-log-deltas", "enable-log-outputs", "enable-log-requests",
-    "enable-logging-iteration-details", "enable-lora", "enable-mamba-cache-stochastic-rounding",
-    "enable-mamba-shared-prefix-checkpoint", "enable-mfu-metrics",
-    "enable-mixed-moe-lora-format", "enable-mm-embeds", "enable-mm-processor-stats",
-    "enable-moe-shared-loras", "enable-nccl-comm-suspend", "enable-offline-docs",
-    "enable-per-request-metrics", "enable-prefix-caching", "enable-prompt-embeds",
-    "enable-prompt-tokens-details", "enable-request-id-headers", "enable-return-routed-experts",
-    "enable-scale-out", "enable-server-load-tracking", "enable-shm-tensor-arena",
-    "enable-sleep-mode", "enable-ssl-refresh", "enable-tokenizer-info-endpoint",
-    "enable-tower-connector-lora", "enable-trace-replay", "enforce-eager",
-    "exclude-tools-when-tool-choice-none", "fail-on-environ-validation", "fully-sharded-loras",
-    "interleave-mm-strings", "jit-monitor-verbose", "kv-cache-metrics",
-    "kv-sharing-fast-prefill", "language-model-only", "log-error-stack",
-    "long-prefill-token-threshold-adaptive", "mm-device-do-normalize", "mm-encoder-only",
-    "monokernel", "numa-bind", "ray-workers-use-nsight", "return-sampling-mask",
-    "return-tokens-as-token-ids", "scheduler-reserve-full-isl", "skip-mm-profiling",
-    "skip-tokenizer-init", "sleep-mode-offload-cudagraph", "specialize-active-lora",
-    "swa-bounded-replay", "tokens-only", "trust-remote-code", "trust-request-chat-template",
-    "trust-request-mm-kwargs", "use-fp64-gumbel", "use-replayssm", "use-tqdm-on-load",
-))
-
 # Set by m3patch itself from other recipe sections; a recipe must not set them twice.
 RESERVED_FLAGS = {
     "model": "model.source", "model-tag": "model.source", "host": "server.host",
@@ -140,10 +105,8 @@ def _one_flag(key: str, value: Any) -> list[str]:
     if value is True:
         return [flag]
     if value is False:
-        if key not in NEGATABLE_FLAGS:
-            msg = (f"`{key}: false` would be dropped silently by vLLM: --{key} has no --no-{key} "
-                   "form; remove the key (off is its default)")
-            raise SchemaError(msg)
+        # Whether --no-KEY exists is the target vLLM parser's to say (serving.vllm_parser
+        # refuses a `false` it would not parse), not a hand-kept list's.
         return [f"--no-{key}"]
     if isinstance(value, dict):
         return [flag, json.dumps(value, separators=(",", ":"), sort_keys=False)]

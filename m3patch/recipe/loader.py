@@ -56,6 +56,7 @@ class Recipe:
     results_dir: Path
     topology: Topology | None = None  # a multi-node set (recipe/topology.py); None: one server
     eval: EvalSpec | None = None  # the accuracy gate (recipe/evals.py); None: no eval step
+    vllm_args_raw: tuple[tuple[str, Any], ...] = ()  # as written: regions merge over it
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
@@ -96,7 +97,8 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         results = Path(expand(expect_str(data.get("results", f"results/{name}"))))
     marker_gates = _section(data, "markers", partial(gates.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", launch.server)
-    swept = _section(data, "sweep", sweep)
+    platform = _section(data, "target", served.target).platform
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu"))
     check_lengths_fit(swept, data.get("vllm-args"))
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)
@@ -112,6 +114,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         marker_waivers=marker_gates.waivers,
         deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,
         eval=_section(data, "eval", partial(evals, base=path.parent)),
+        vllm_args_raw=tuple(expect_mapping(data.get("vllm-args", {})).items()),
     )
 
 

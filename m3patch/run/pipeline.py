@@ -23,7 +23,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
@@ -51,11 +51,14 @@ from m3patch.output import info, table
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
+from m3patch.recipe.regions import ServerGroup, server_groups
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
+from m3patch.serving.vllm_parser import check_launch
 
 LEDGER_COPY = "ledger.json"
+SERVERS_DIR = "servers"  # one folder per server group (server.log, serve.json) when regions split
 
 
 class RunCommand(str, Enum):
@@ -120,6 +123,13 @@ class ServerHandle:
     target: BenchTarget
     check: Callable[[], None]
     label: str  # provenance's `server`
+    warnings: tuple[dict[str, object], ...] = ()  # `warn` markers seen by readiness
+
+
+def warning_note(warnings: tuple[dict[str, object], ...]) -> str:
+    """The run summary's mention of `warn` markers: id and fix, never a failure."""
+    parts = [f"{w['id']}" + (f" (fix: {w['fix']})" if w.get("fix") else "") for w in warnings]
+    return f"; WARNING: {', '.join(parts)}" if parts else ""
 
 
 def echo_server_line(line: str) -> None:
@@ -183,6 +193,7 @@ class RunPipeline:
         self.ledger_sha256: str | None = None
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
+        self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
 
     def __enter__(self) -> RunPipeline:
         return self
@@ -229,12 +240,22 @@ class RunPipeline:
         if self.plan.source is ServerSource.LAUNCHED:
             # Before apply-verify: a node without the weights fails here with the tree untouched.
             require_present(self.plan.recipe)
-            where += "; model files on disk"
+            # vLLM's own parser, before the tree changes or the node loads anything: every
+            # server form the sweep will start.
+            checks = [check_launch(g.recipe, self.plan.python) for g in self.groups()]
+            where += f"; model files on disk; launch checked by {checks[0].checked_by}"
+            if len(checks) > 1:
+                where += f" ({len(checks)} server groups)"
         if (self.plan.recipe.eval is not None and self.plan.source is not ServerSource.NONE
                 and self.spec.command is not RunCommand.BENCH):
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
             preflight(self.plan.recipe.eval, self.plan.recipe.path)
         return StepDone(where + ")")
+
+    def groups(self) -> tuple[ServerGroup, ...]:
+        """The servers this run starts: one per distinct server form among its cells."""
+        plan = self.planned
+        return server_groups(plan.recipe, plan.cells)
 
     def apply_verify(self) -> StepDone:
         plan = self.planned
@@ -255,13 +276,49 @@ class RunPipeline:
             assert self.spec.url is not None
             self.server = self._external(self.spec.url.rstrip("/"))
             return StepDone(f"{self.server.target.base_url}/health answers")
-        session = self._held.enter_context(ServeSession(
-            plan.recipe, plan.run_dir, python=plan.python, port=self.spec.port,
-            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
+        groups = self.groups()
+        if len(groups) > 1:
+            return StepDone(f"{len(groups)} server groups: the sweep step starts, gates and stops "
+                            "one server per group")
+        session = self._start(groups[0].recipe, plan.run_dir)
         target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
-        self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
+        warnings = tuple(session.warnings_json())
+        self.warnings += warnings
+        self.server = ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER, warnings)
         info(session.ready_line())
-        return StepDone(session.ready_line(), ("server.log", "serve.json"))
+        return StepDone(session.ready_line() + warning_note(warnings), ("server.log", "serve.json"))
+
+    def _start(self, recipe: Recipe, run_dir: Path) -> ServeSession:
+        return self._held.enter_context(ServeSession(
+            recipe, run_dir, python=self.planned.python, port=self.spec.port,
+            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
+
+    def _sweep_groups(self, groups: tuple[ServerGroup, ...]) -> StepDone:
+        """One server per group: started, gated, swept, stopped; then one aggregate of all."""
+        plan = self.planned
+        measured = kept = 0
+        for group in groups:
+            cells = tuple(c for c in plan.cells if c.cell_id in group.cell_ids)
+            folder = plan.run_dir / SERVERS_DIR / f"group-{group.index}"
+            with self._held:
+                session = self._start(group.recipe, folder)
+                warnings = tuple(session.warnings_json())
+                self.warnings += warnings
+                info(f"group {group.index}/{len(groups)}: {session.ready_line()}"
+                     + warning_note(warnings))
+                target = BenchTarget(Path(session.python), session.base_url, session.model,
+                                     session.tokenizer)
+                # The folder's only results are this run's earlier groups (plan_run refused any
+                # others before a server started): keep them, as a resume would.
+                settings = plan.settings if group.index == 1 else replace(plan.settings,
+                                                                          resume=True)
+                outcome = sweep_session(group.recipe, plan.python, target, settings, cells,
+                                        session.check_alive, server_warnings=warnings)
+            measured, kept = measured + len(outcome.measured), kept + len(outcome.skipped)
+        reaggregate(plan.recipe, plan.run_dir, plan.cells,
+                    note=f"aggregated {len(plan.cells)} cells of {len(groups)} server groups")
+        return StepDone(f"{len(groups)} server groups, each gated; {measured} cell(s) measured, "
+                        f"{kept} kept", ("cells", "aggregate.json", "aggregate.csv", SERVERS_DIR))
 
     def _external(self, base_url: str) -> ServerHandle:
         plan = self.planned
@@ -280,9 +337,13 @@ class RunPipeline:
             if plan.source is ServerSource.NONE:
                 reaggregate(plan.recipe, plan.run_dir, plan.cells)
                 return StepDone(f"{len(plan.cells)} cell(s) kept; aggregated without a server")
+            groups = self.groups() if plan.source is ServerSource.LAUNCHED else ()
+            if len(groups) > 1:
+                return self._sweep_groups(groups)
             assert self.server is not None, "the serve step runs first"
             outcome = sweep_session(plan.recipe, plan.python, self.server.target, plan.settings,
-                                    plan.cells, self.server.check, server=self.server.label)
+                                    plan.cells, self.server.check, server=self.server.label,
+                                    server_warnings=self.server.warnings)
         return StepDone(f"{len(outcome.measured)} cell(s) measured, {len(outcome.skipped)} kept",
                         ("cells", "aggregate.json", "aggregate.csv"))
 

@@ -22,6 +22,7 @@ from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
+from m3patch.serving.vllm_parser import check_launch
 
 if TYPE_CHECKING:
     from m3patch.patching.api import EnsuredTree
@@ -105,8 +106,10 @@ def ensure_tree(recipe: Recipe, python: str) -> EnsuredTree:
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
-    """Check the model (before the tree changes), apply and verify; the ledger's sha256 hex."""
+    """Check the model and the launch (vLLM's own parser) before the tree changes, apply and
+    verify; the ledger's sha256 hex."""
     require_present(recipe)
+    check_launch(recipe, python)
     ensured = ensure_tree(recipe, python)
     info(ensured.report.summary().removeprefix("m3patch: "))
     return ensured.ledger_sha256

@@ -30,7 +30,7 @@ from types import TracebackType
 
 from m3patch.errors import RunDeadline, ServerDied
 from m3patch.fsio import write_json_atomic
-from m3patch.markers import MarkerChecker
+from m3patch.markers import MarkerChecker, MarkerWarning
 from m3patch.output import warn
 from m3patch.recipe.loader import Recipe
 from m3patch.serving.launch_plan import LaunchPlan, plan_launch, prepare_tree
@@ -74,8 +74,17 @@ class ServeSession:
         return self.run_dir / "server.log"
 
     def ready_line(self) -> str:
+        found = self.warnings()
+        warned = f", {len(found)} warning marker(s)" if found else ""
         return (f"ready in {self.ready_s:.1f} s at {self.base_url} (model {self.model}); "
-                f"markers ok; log {self.log_path}")
+                f"markers ok{warned}; log {self.log_path}")
+
+    def warnings(self) -> list[MarkerWarning]:
+        """`warn` markers seen so far: reported, never a stop."""
+        return [] if self.supervisor is None else self.supervisor.checker.warnings()
+
+    def warnings_json(self) -> list[dict[str, object]]:
+        return [w.to_json(str(self.log_path)) for w in self.warnings()]
 
     def __enter__(self) -> ServeSession:
         self._started = time.monotonic()
@@ -90,6 +99,8 @@ class ServeSession:
             self.ready_s = self.supervisor.wait_ready()
             time.sleep(READY_SETTLE_S)
             self.supervisor.gate_markers(hint=self.plan.marker_hint)
+            for found in self.warnings():
+                warn(found.line(str(self.log_path)))
             self._last_answer = time.monotonic()  # readiness included a real completion
         except BaseException:
             self.stop()
@@ -150,6 +161,7 @@ class ServeSession:
             "env": dict(self.plan.env_overrides), "base_url": self.base_url,
             "ready_s": self.ready_s, "exit_status": self.exit_status,
             "markers": {m.id: checker.counts.get(m.id, 0) for m in self.plan.markers},
+            "warnings": self.warnings_json(),
             "violation": None if self.supervisor.violation is None
             else self.supervisor.violation.where(str(self.log_path)),
         }

@@ -8,6 +8,7 @@ real recorded `vllm bench serve` result, so every shared field must agree.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,9 @@ def test_compare_takes_an_inferencex_row_as_either_side(
 
 
 def test_an_inferencex_row_beside_an_m3patch_run_is_another_workload(tmp_path: Path) -> None:
-    # The row does not record its length distribution, so it is never given a change figure
-    # against an m3patch cell, even at the same ISL/OSL, parallelism and concurrency.
+    # InferenceX's rows are its client's [int(0.8 L), L]; this m3patch run used vLLM's
+    # convention, so it is never given a change figure, even at the same ISL/OSL, parallelism
+    # and concurrency.
     out = tmp_path / "cmp.json"
     assert main(["bench", "compare", str(DATA / "runs" / "base"), str(INFERENCEX_ROW),
                  "--json", str(out)]) == 0
@@ -117,6 +119,19 @@ def test_an_inferencex_row_beside_an_m3patch_run_is_another_workload(tmp_path: P
     assert result["compared"] == []
     differs = [u for u in result["not_compared"] if u["reason"] == "shape differs"]
     assert len(differs) == 1 and "InferenceX lengths" in differs[0]["detail"]
+
+
+def test_an_inferencex_workload_cell_is_compared_with_an_inferencex_row(tmp_path: Path) -> None:
+    # The same run, its cells re-labelled as measured with InferenceX's lengths (r = 0.8):
+    # now the InferenceX row is the same workload and gets a change figure.
+    run = shutil.copytree(DATA / "runs" / "base", tmp_path / "run")
+    data = json.loads((run / "aggregate.json").read_text())
+    for row in data["rows"]:
+        row.update(length_convention="inferencex", range_ratio=0.8)
+    (run / "aggregate.json").write_text(json.dumps(data))
+    out = tmp_path / "cmp.json"
+    assert main(["bench", "compare", str(run), str(INFERENCEX_ROW), "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["compared"]) == 1
 
 
 @pytest.mark.parametrize(("change", "needle"), [

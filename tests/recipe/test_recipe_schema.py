@@ -69,8 +69,6 @@ def test_flattening_matches_vllm_config_rules() -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    ({"headless": False}, "has no --no-headless form"),
-    ({"disable-log-stats": False}, "has no --no-disable-log-stats form"),
     ({"tokenizer-mode": []}, "empty list"),
     ({"dtype": None}, "null"),
     ({"--dtype": "float32"}, "without dashes"),

@@ -63,7 +63,8 @@ def test_apply_verify_on_the_real_tree_then_the_serve_steps_exit_code_is_the_job
     done = _ci(tmp_path, _recipe(tmp_path), {"M3PATCH_VLLM_ROOT": str(vllm_tree)})
     summary = json.loads((tmp_path / "run" / ci.SUMMARY).read_text())
     steps = {s["name"]: s for s in summary["steps"]}
-    assert steps["recipe"]["message"].endswith("model files on disk)")
+    assert "model files on disk; launch checked by static checks" in steps["recipe"]["message"]
+    assert "cannot import vllm" in steps["recipe"]["message"]
     assert steps["apply-verify"]["status"] == "ok", done.stderr
     assert steps["apply-verify"]["message"].endswith("0 conflicts")
     copied = (tmp_path / "run" / "ledger.json").read_bytes()
@@ -113,6 +114,10 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     text = text.replace("series: ../patches/", f"series: {REPO}/patches/")
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # m3patch bench rejects 1.0
     text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
+    # A `warn` marker on a warning this host's CPU worker logs: reported, the job still passes.
+    text = text.replace("markers:\n", "markers:\n  warn:\n    - id: no-tcmalloc\n"
+                        "      text: libtcmalloc is not found in LD_PRELOAD\n"
+                        "      fix: preload libtcmalloc\n", 1)
     recipe = tmp_path / "cpu_tiny_moe.yaml"
     recipe.write_text(text)
     run_dir = tmp_path / "run"
@@ -131,3 +136,9 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     assert len(list(run_dir.rglob("*.png"))) == 2
     assert "m3patch[provenance]: series=vllm-0.32.0" in (run_dir / "server.log").read_text()
     assert "per-GPU results" in (run_dir / ci.SERVE_LOG).read_text()  # the sweep's table, teed
+    (warned,) = summary["warnings"]
+    assert warned["id"] == "no-tcmalloc" and warned["fix"] == "preload libtcmalloc"
+    assert "WARNING: no-tcmalloc (fix: preload libtcmalloc)" in summary["steps"][2]["message"] or \
+        "no-tcmalloc" in done.stderr
+    aggregate = json.loads((run_dir / "aggregate.json").read_text())
+    assert "no-tcmalloc" in json.dumps(aggregate)  # beside the numbers, in the provenance

@@ -72,7 +72,9 @@ def test_fused_shared_experts_follow_the_recipes_rocm_env(tmp_path: Path,
     assert deployment(load_recipe(tp8)).fused_shared_experts
     assert _shape(tp8, m3_config) == (129, 384, 6144, 4, False)  # E+1
     (tmp_path / "ep").mkdir()
-    ep8 = _recipe(tmp_path / "ep", "mi300x_tp8_ep8.yaml", edits=(fse,))
+    # The shipped EP8 recipe runs AITER off (EP8 with AITER returned garbage); turn both on here.
+    fse_ep = ('  VLLM_ROCM_USE_AITER: "0"\n', fse[1])
+    ep8 = _recipe(tmp_path / "ep", "mi300x_tp8_ep8.yaml", edits=(fse_ep,))
     assert _shape(ep8, m3_config) == (16, 3072, 6144, 4, True)  # vLLM turns FSE off with EP
     assert _shape(REPO / "recipes/mi300x_tp8.yaml", m3_config)[0] == 128  # env unset: no FSE
 
