@@ -99,6 +99,12 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
           f"({recipe.sweep.length_convention}'s convention))",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+    groups = server_groups(recipe, recipe_cells(recipe))
+    if len(groups) > 1:
+        base = set(recipe.vllm_args)
+        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
+              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
+                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
     if recipe.topology is not None:
         print("\n".join(topology_lines(recipe, interpreter)))
 
@@ -120,12 +126,6 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
                 "  " + shlex.join(plan.argv)]
         out += ["  " + line for line in marker_lines(plan.plan.markers)]
     return out
-    groups = server_groups(recipe, recipe_cells(recipe))
-    if len(groups) > 1:
-        base = set(recipe.vllm_args)
-        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
-              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
-                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
