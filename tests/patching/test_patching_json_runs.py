@@ -41,6 +41,7 @@ def recipe_on_this_python(tmp_path: Path) -> Path:
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")
+    text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
     return path
