@@ -53,6 +53,7 @@ def recorded_recipe(tmp_path: Path) -> Path:
     text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
     text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
     text = re.sub(r"osl: [0-9]+", "osl: 16", text)
+    text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     path = tmp_path / "cpu_tiny_moe.yaml"
     path.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
     return path
@@ -82,7 +83,8 @@ def test_ci_json_on_a_failing_server_names_the_tree_ledger_and_error(
     assert report["ledger_sha256"] == ledger
     assert report["error"]["type"] == "ServerExited" and report["error"]["message"]
     assert [(s["name"], s["status"]) for s in report["steps"]] == [
-        ("recipe", "ok"), ("apply-verify", "ok"), ("serve-sweep", "failed"), ("results", "skipped")]
+        ("recipe", "ok"), ("apply-verify", "ok"), ("serve-sweep", "failed"), ("results", "skipped"),
+        ("eval", "skipped")]
     summary = json.loads((run_dir / ci.SUMMARY).read_text())
     assert summary["schema"] == 1 and summary["exit_code"] == code  # ci.json's own fields stay
     assert summary["steps"] == report["steps"] and summary["run_dir"] == str(run_dir)
@@ -101,7 +103,7 @@ def test_ci_json_for_a_bad_recipe_and_a_resumed_run(tmp_path: Path) -> None:
     assert code == 0, stderr
     assert "error" not in report and report["run_dir"] == str(run)
     assert report["tree_root"] is None and report["ledger_sha256"] is None  # no tree prepared
-    assert [s["status"] for s in report["steps"]] == ["ok", "skipped", "ok", "ok"]
+    assert [s["status"] for s in report["steps"]] == ["ok", "skipped", "ok", "ok", "skipped"]
 
 
 def test_bench_json_on_stdout_or_into_a_file_and_compare_json(tmp_path: Path) -> None:
