@@ -37,7 +37,8 @@ from typing import Any
 from m3patch.errors import LaunchRejected, M3PatchError, VllmNotFound
 from m3patch.fsio import read_json, write_json_atomic
 from m3patch.output import info, warn
-from m3patch.patching.locate import find_vllm
+from m3patch.patching.ledger import ledger_path
+from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.pristine import cache_root, cached_file
 from m3patch.recipe.loader import Recipe
 from m3patch.schema import suggest
@@ -298,6 +299,41 @@ def cached_actions(python: str, version: str) -> ParserActions | None:
     return actions if actions.vllm_version == version else None
 
 
+def verdict_key(python: str, tree: VllmTree, argv: list[str], env: Mapping[str, str]) -> str:
+    """What the probe's answer depends on: the interpreter, the tree it imports (version,
+    commit, and the ledger, which changes whenever a series rewrites files), the argv and the
+    VLLM_* environment. Any change asks vLLM's parser again."""
+    ledger = _read_or_none(ledger_path(tree.root)) or b""
+    parts = [os.path.realpath(python), str(tree.root.resolve()), tree.version, tree.commit or "",
+             hashlib.sha256(ledger).hexdigest(), json.dumps(argv),
+             json.dumps(sorted((k, v) for k, v in env.items() if k.startswith("VLLM_")))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def probe_once(python: str, tree: VllmTree, argv: list[str],
+               env: Mapping[str, str]) -> dict[str, Any]:
+    """The probe's answer for this exact launch, from the verdict cache when the same launch
+    was asked of the same tree before: importing vLLM costs 10-40 s per serve on a 2-core
+    host, and a sweep restarts the same launch for every run. The cached answer is validated
+    like the probe's own before use."""
+    path = cache_root() / "vllm-cli" / "verdicts" / f"{verdict_key(python, tree, argv, env)}.json"
+    if path.is_file():
+        try:
+            cached: dict[str, Any] = read_json(path, error=LaunchRejected, hint=f"delete {path}",
+                                               expect=dict)
+            actions_from_dump(cached, str(path))
+            return cached
+        except LaunchRejected:
+            pass  # a bad cache entry is asked again and overwritten
+    dump = run_probe(python, argv, env)
+    if not isinstance(dump.get("no_vllm"), str):
+        try:
+            write_json_atomic(path, dump)
+        except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
+            warn(f"could not cache vLLM's parser answer: {exc.message}")
+    return dump
+
+
 def _store(python: str, version: str, dump: dict[str, Any]) -> None:
     keep = {"schema": CACHE_SCHEMA, "python": os.path.realpath(python),
             "vllm_version": dump["vllm_version"], "actions": dump["actions"]}
@@ -348,7 +384,8 @@ def check_launch(recipe: Recipe, python: str,
     except VllmNotFound as exc:
         return _static_fallback(recipe, exc.message)
     sources = argv_sources(recipe)
-    dump = run_probe(python, list(recipe.serve_args()), env if env is not None else dict(os.environ))
+    dump = probe_once(python, tree, list(recipe.serve_args()),
+                      env if env is not None else dict(os.environ))
     if isinstance(dump.get("no_vllm"), str):  # a tree given by --vllm-root the interpreter lacks
         envs = _read_or_none(tree.package_dir / "envs.py")
         return _static_fallback(recipe, f"{python} cannot import vllm ({dump['no_vllm']})", envs,

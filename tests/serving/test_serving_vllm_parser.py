@@ -187,3 +187,29 @@ def test_dry_run_checks_every_server_group(tmp_path: Path, cpu_python: str,
     result = m3patch_cli("serve", str(path), "--dry-run", timeout=600)  # type: ignore[operator]
     assert result.returncode == 24, result.stderr
     assert "vllm-args.max-num-seq: --max-num-seq is an abbreviation" in result.stderr
+
+
+def test_the_same_launch_is_asked_once_then_read_from_the_verdict_cache(
+        tmp_path: Path, cpu_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(variant(tmp_path, cpu_python, {"max-num-seqs": 3}))
+    asked: list[list[str] | None] = []
+    real_probe = vp.run_probe
+
+    def counting(python: str, argv: list[str] | None, env: object) -> dict[str, object]:
+        asked.append(argv)
+        return real_probe(python, argv, env)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vp, "run_probe", counting)
+    first = vp.check_launch(recipe, cpu_python, {})
+    again = vp.check_launch(recipe, cpu_python, {})
+    assert first == again and first.vllm_parser and len(asked) == 1  # the second: no spawn
+    typo = load_recipe(variant(tmp_path, cpu_python, {"max-num-batched-token": 64}))
+    for _ in range(2):  # a refusal is cached as the parser's answer and refused again from it
+        with pytest.raises(LaunchRejected, match="max-num-batched-token"):
+            vp.check_launch(typo, cpu_python, {})
+    assert len(asked) == 2
+    for entry in (tmp_path / "cache").rglob("verdicts/*.json"):  # a bad entry is asked again
+        entry.write_text("[]")
+    vp.check_launch(recipe, cpu_python, {})
+    assert len(asked) == 3
