@@ -116,6 +116,7 @@ def test_killed_node_ends_the_set_with_26(live_set: LiveSet) -> None:
     assert took < TEARDOWN_S + 60, f"teardown took {took:.0f} s"
 
 
+@pytest.mark.extended  # same set and teardown path as the killed node; another 3 min of two servers
 def test_killed_head_takes_the_headless_node_with_it(live_set: LiveSet) -> None:
     took = kill_and_time(live_set, HEAD)
     err = live_set.err.read_text()

@@ -81,6 +81,7 @@ def test_a_missed_floor_exits_20_after_the_sweep_and_leaves_nothing(
     assert naming(run) == [], "the harness outlived the failed gate"
 
 
+@pytest.mark.extended  # the demo (CI) runs the same met floor through serve --bench and checks eval.json
 def test_eval_command_passes_a_met_floor_and_records_the_score(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
     recipe = gated_recipe(tmp_path / "r.yaml", cpu_venv, tiny_model, free_port(), 0.0)
