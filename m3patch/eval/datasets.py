@@ -16,6 +16,7 @@ from pathlib import Path
 
 from m3patch.errors import EvalError, ModelMissing
 from m3patch.recipe.evals import EvalSpec, EvalTask
+from m3patch.recipe.model_files import env_hub_cache
 
 FETCH_TIMEOUT_S = 1800
 # Run in lm-eval's venv: load the dataset online (and so into the hub cache), print its splits.
@@ -25,14 +26,8 @@ FETCH_SCRIPT = ("import sys, datasets; "
 
 
 def hub_cache(env: Mapping[str, str]) -> Path:
-    """huggingface_hub's own order: HF_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME, ~/.cache."""
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(name):
-            return Path(env[name]).expanduser()
-    if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    xdg = env.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path("~/.cache").expanduser()) / "huggingface" / "hub"
+    """Where the datasets lie: the same hub cache the model files are looked up in."""
+    return env_hub_cache(env)
 
 
 def dataset_folder(cache: Path, dataset: str) -> Path:

@@ -81,6 +81,11 @@ def hub_cache(recipe: Recipe, env: Mapping[str, str]) -> Path:
     args = recipe.vllm_args
     if "--download-dir" in args[:-1]:  # vLLM passes it to huggingface_hub as cache_dir
         return Path(args[args.index("--download-dir") + 1]).expanduser()
+    return env_hub_cache(env)
+
+
+def env_hub_cache(env: Mapping[str, str]) -> Path:
+    """huggingface_hub's own order: HF_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME, ~/.cache."""
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(name):
             return Path(env[name]).expanduser()
