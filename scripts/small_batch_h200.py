@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,13 @@ from m3patch.tune import compile_pool, naming
 from m3patch.tune.inputs import naive_alignment
 from m3patch.tune.judge import measure
 from m3patch.tune.kernel_source import load_kernel
-from m3patch.tune.kernel_timer import ConfigFailed, MoEBench, experts_hit, l2_bytes
+from m3patch.tune.kernel_timer import (
+    ConfigFailed,
+    MoEBench,
+    experts_hit,
+    l2_bytes,
+    replay_median_us,
+)
 from m3patch.tune.launch import GemmArgs, effective_split, grid_size
 from m3patch.tune.small_batch import (
     Timed,
@@ -80,17 +85,7 @@ def graph_pass_us(launches: list[Any], passes: int, reps: int) -> float:
         for index in range(passes):
             for fn in launches:
                 fn(index)
-    graph.replay()
-    cuda: Any = torch.cuda
-    starts = [cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends, strict=True):
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return float(statistics.median(s.elapsed_time(e) * 1000 / passes
-                                   for s, e in zip(starts, ends, strict=True)))
+    return replay_median_us(graph, reps, passes)
 
 
 def launch_floors(reps: int) -> dict[str, float]:

@@ -178,18 +178,25 @@ class MoEBench:
         with torch.cuda.graph(graph):
             for index in range(len(setup.problems)):
                 self._launch_set(setup, cfg, index, gemm)
-        graph.replay()  # warm-up: first replay uploads the graph
-        cuda: Any = torch.cuda  # torch's Event constructor is untyped
-        starts = [cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [cuda.Event(enable_timing=True) for _ in range(reps)]
-        for start, end in zip(starts, ends, strict=True):
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
+        us = replay_median_us(graph, reps, len(setup.problems))
         del graph
-        per_pass = [s.elapsed_time(e) * 1000 / len(setup.problems) for s, e in zip(starts, ends, strict=True)]
-        return float(statistics.median(per_pass))
+        return us
+
+
+def replay_median_us(graph: Any, reps: int, passes: int) -> float:
+    """Median microseconds per pass over `reps` replays of a captured CUDA graph holding
+    `passes` passes (after one warm-up replay, which uploads the graph)."""
+    graph.replay()
+    cuda: Any = torch.cuda  # torch's Event constructor is untyped
+    starts = [cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) * 1000 / passes
+                                   for s, e in zip(starts, ends, strict=True)))
 
 
 def experts_hit(setup: BatchSetup, local_experts: int) -> float:
