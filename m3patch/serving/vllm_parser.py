@@ -304,8 +304,11 @@ def verdict_key(python: str, tree: VllmTree, argv: list[str], env: Mapping[str, 
     commit, and the ledger, which changes whenever a series rewrites files), the argv and the
     VLLM_* environment. Any change asks vLLM's parser again."""
     ledger = _read_or_none(ledger_path(tree.root)) or b""
+    # The port is the recipe's checked 1-65535 integer (or a free one a test picked): the same
+    # launch on another port gets the same answer.
+    keyed = [("<port>" if i and argv[i - 1] == "--port" else a) for i, a in enumerate(argv)]
     parts = [os.path.realpath(python), str(tree.root.resolve()), tree.version, tree.commit or "",
-             hashlib.sha256(ledger).hexdigest(), json.dumps(argv),
+             hashlib.sha256(ledger).hexdigest(), json.dumps(keyed),
              json.dumps(sorted((k, v) for k, v in env.items() if k.startswith("VLLM_")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 

@@ -204,6 +204,10 @@ def test_the_same_launch_is_asked_once_then_read_from_the_verdict_cache(
     first = vp.check_launch(recipe, cpu_python, {})
     again = vp.check_launch(recipe, cpu_python, {})
     assert first == again and first.vllm_parser and len(asked) == 1  # the second: no spawn
+    moved = load_recipe(variant(tmp_path, cpu_python, {"max-num-seqs": 3},
+                                extra={"server": {"port": 9123}}))
+    assert "9123" in moved.serve_args()
+    assert vp.check_launch(moved, cpu_python, {}) == first and len(asked) == 1  # port: same answer
     typo = load_recipe(variant(tmp_path, cpu_python, {"max-num-batched-token": 64}))
     for _ in range(2):  # a refusal is cached as the parser's answer and refused again from it
         with pytest.raises(LaunchRejected, match="max-num-batched-token"):
