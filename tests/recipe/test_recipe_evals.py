@@ -13,7 +13,7 @@ from m3patch.recipe.loader import load_recipe
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem != "cpu_tiny_moe")
+GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.startswith("cpu_"))
 
 
 def with_eval(tmp_path: Path, section: object) -> Path:
