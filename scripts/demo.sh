@@ -10,7 +10,8 @@
 #   6. the main job on the embedded default: `m3patch ci recipes/cpu_tiny_moe.yaml`
 #      (apply + verify the vllm-0.32.0 series, serve with the marker gate, sweep, results, eval).
 #
-# Idempotent and cached under ~/.cache/m3patch (override: M3PATCH_CPU_VENV, M3PATCH_TINY_MODEL).
+# Idempotent and cached under ~/.cache/m3patch (override: M3PATCH_CPU_VENV, M3PATCH_TINY_MODEL,
+# M3PATCH_LM_EVAL_VENV).
 # Expect about 3 minutes of install the first time, then 2-4 minutes per run on 2 cores.
 set -euo pipefail
 

@@ -60,6 +60,7 @@ def squeue(env: dict[str, str], job: str) -> str:
                           check=False).stdout.strip()
 
 
+@pytest.mark.extended  # a Slurm cluster and two servers for 2.5 min; CI time
 def test_sbatch_dp_set_and_a_killed_rank_ends_the_job(slurm: dict[str, str], cpu_venv: Path,
                                                       tiny_model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
