@@ -72,7 +72,8 @@ def evaluate(spec: EvalSpec, run_dir: Path, endpoint: Endpoint, *,
         run = run_harness(argv, task.task, out_dir, deadline_s=max(remaining, 1.0),
                           check_server=check_server)
         path = results_file(run)
-        score = task_score(read_json(path, error=EvalError, hint=READ_HINT, expect=dict), task, str(path))
+        results = read_json(path, error=EvalError, hint=READ_HINT, expect=dict)
+        score = task_score(results, task, str(path))
         verdict = judge(score, task, _baseline(task))
         info(f"eval {task.task}: {task.metric_key} = {score.score:.4f} over {score.samples} "
              f"samples ({'ok' if verdict.passed else 'FAILED'}, {run.seconds:.1f} s)")
@@ -98,5 +99,6 @@ def evaluate(spec: EvalSpec, run_dir: Path, endpoint: Endpoint, *,
 def _baseline(task: EvalTask) -> float | None:
     if task.baseline is None:
         return None
-    return baseline_score(read_json(task.baseline, error=EvalError, expect=dict,
-                                         hint="point eval.tasks[].baseline at a results file"), task, task.baseline)
+    data = read_json(task.baseline, error=EvalError, expect=dict,
+                     hint="point eval.tasks[].baseline at a harness results file or an eval.json")
+    return baseline_score(data, task, task.baseline)

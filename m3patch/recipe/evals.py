@@ -13,7 +13,7 @@
           metric: exact_match,strict-match
           min: 0.93                # fail below
           max-drop: 0.01           # optional: fail when it drops more than this below
-          baseline: path.json      #   the baseline's harness results file
+          baseline: path.json      #   the baseline: a harness results file or an m3patch eval.json
           concurrency: 8
           gen-kwargs: {max_gen_toks: 256}
           chat-template: false     # true: the chat endpoint with the model's chat template
@@ -130,6 +130,13 @@ def _hub_id(data: dict[str, Any], key: str) -> str | None:
         return text
 
 
+def _optional_str(data: dict[str, Any], key: str) -> str | None:
+    if key not in data:
+        return None
+    with at_key(key):
+        return expect_str(data[key])
+
+
 def _optional_int(data: dict[str, Any], key: str, minimum: int) -> int | None:
     if key not in data:
         return None
@@ -164,8 +171,7 @@ def eval_task(raw: object, base: Path) -> EvalTask:
     with at_key("chat-template"):
         chat = expect_bool(data.get("chat-template", False))
     task_dir = _optional_path(data, "task-dir", base)
-    return EvalTask(task, task_dir, _hub_id(data, "dataset"),
-                    expect_str(data["dataset-name"]) if "dataset-name" in data else None,
+    return EvalTask(task, task_dir, _hub_id(data, "dataset"), _optional_str(data, "dataset-name"),
                     _optional_int(data, "num-fewshot", 0), _optional_int(data, "limit", 1),
                     metric, filter_name, floor, max_drop, baseline, concurrency, gen, chat)
 

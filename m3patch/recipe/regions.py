@@ -63,8 +63,8 @@ def regions(raw: object) -> tuple[Region, ...]:
                     if key in when:
                         with at_key(key):
                             bounds.append((key, expect_int(when[key], minimum=1)))
-            overrides = expect_mapping(data.get("vllm-args", {}))
             with at_key("vllm-args"):
+                overrides = expect_mapping(data.get("vllm-args", {}))
                 flatten_vllm_args(overrides)  # the same rules as the recipe's own vllm-args
             with at_key("env"):
                 env = parse_env(expect_mapping(data.get("env", {})))

@@ -16,6 +16,7 @@ only). Pure: parse, validate, compute ranks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -42,6 +43,9 @@ ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers")
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
               "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
 DEFAULT_RPC_PORT = 13345
+# A role name becomes a file name (RUN/nodes/<role>-<rank>.json, logs) and a word of the sbatch
+# script (`role:rank` pairs split at ':'), so it is held to characters neither can misread.
+_ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,9 @@ def topology(data: dict[str, Any], *, source: str) -> Topology | None:
     with at_key("roles"):
         for name, raw in expect_mapping(data["roles"]).items():
             with at_key(name):
+                if not _ROLE_NAME.fullmatch(str(name)):
+                    msg = f"a role name is letters, digits, '_' and '-' (a file name), got {name!r}"
+                    raise SchemaError(msg)
                 roles.append(_role(str(name), expect_mapping(raw), source))
     _check_shape(tuple(roles))
     return Topology(address, rpc_port, tuple(roles))

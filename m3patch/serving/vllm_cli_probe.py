@@ -91,9 +91,7 @@ def _parse(parser: Any, validate: Any, argv: list[str]) -> tuple[str | None, arg
         namespace = parser.parse_args(argv)
         if validate is not None:
             validate(namespace)
-    except ParseRefused as exc:
-        return str(exc), None
-    except (ValueError, TypeError) as exc:
+    except (ParseRefused, ValueError, TypeError) as exc:  # vLLM's validators raise the latter
         return str(exc), None
     return None, namespace
 

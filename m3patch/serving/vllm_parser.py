@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import LaunchRejected, M3PatchError, VllmNotFound
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import parse_json, read_json, write_json_atomic
 from m3patch.output import info, warn
 from m3patch.patching.ledger import ledger_path
 from m3patch.patching.locate import VllmTree, find_vllm
@@ -207,15 +207,29 @@ def env_findings(env: tuple[tuple[str, str], ...], known: frozenset[str], versio
     return out
 
 
+def _answer_fields_ok(data: dict[str, Any]) -> bool:
+    """The parse verdict beside the actions: an optional error string and a list of
+    {option, key, known: [str]} for JSON options' unknown keys."""
+    unknown = data.get("unknown_keys", [])
+    return (data.get("parse_error") is None or isinstance(data["parse_error"], str)) and (
+        isinstance(unknown, list) and all(
+            isinstance(u, dict) and isinstance(u.get("option"), str)
+            and isinstance(u.get("key"), str) and isinstance(u.get("known"), list)
+            and all(isinstance(k, str) for k in u["known"]) for u in unknown))
+
+
 def actions_from_dump(data: object, where: str) -> ParserActions:
-    """The probe's (or the cache's) dump, checked like hostile input."""
+    """The probe's (or the cache's) dump, checked like hostile input: the actions and the
+    parse verdict the caller reads beside them."""
     def bad(why: str) -> LaunchRejected:
         return LaunchRejected(f"{where}: {why}", hint="delete the file (the probe writes it again)")
 
-    why = ("no `actions` list" if not isinstance(data, dict)
-           or not isinstance(data.get("actions"), list) else None)
-    if why is not None or not isinstance(data, dict):
-        raise bad(why or "not an object")
+    if not isinstance(data, dict) or not isinstance(data.get("actions"), list):
+        why = "no `actions` list"
+        raise bad(why)
+    if not _answer_fields_ok(data):
+        why = "malformed `parse_error` or `unknown_keys`"
+        raise bad(why)
     version = data.get("vllm_version")
     if not isinstance(version, str):
         why = "no `vllm_version` string"
@@ -273,14 +287,9 @@ def run_probe(python: str, argv: list[str] | None, env: Mapping[str, str]) -> di
         tail = (proc.stderr.strip() or proc.stdout.strip())[-600:]
         msg = f"vLLM's argument parser in {python} failed (exit {proc.returncode}): {tail}"
         raise LaunchRejected(msg, hint=fix)
-    try:
-        data = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
-    except json.JSONDecodeError as exc:
-        msg = f"vLLM's argument parser in {python} printed malformed JSON: {exc}"
-        raise LaunchRejected(msg, hint=fix) from None
-    if not isinstance(data, dict):
-        msg = f"vLLM's argument parser in {python} printed {type(data).__name__}, not an object"
-        raise LaunchRejected(msg, hint=fix)
+    where = f"vLLM's argument parser in {python} printed"
+    data: dict[str, Any] = parse_json(lines[-1].removeprefix(RESULT_PREFIX), where,
+                                      error=LaunchRejected, hint=fix, expect=dict)
     return data
 
 
@@ -399,11 +408,7 @@ def check_launch(recipe: Recipe, python: str,
     parse_error = dump.get("parse_error")
     if not findings and isinstance(parse_error, str):
         findings.append(parse_error_finding(parse_error, sources))
-    unknown = dump.get("unknown_keys")
-    if isinstance(unknown, list):
-        findings += unknown_key_findings(
-            [u for u in unknown if isinstance(u, dict) and isinstance(u.get("key"), str)
-             and isinstance(u.get("option"), str) and isinstance(u.get("known"), list)], sources)
+    findings += unknown_key_findings(dump.get("unknown_keys", []), sources)
     envs_file = tree.package_dir / "envs.py"
     try:
         known = known_env_vars(envs_file.read_bytes())

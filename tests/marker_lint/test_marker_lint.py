@@ -155,7 +155,8 @@ def test_a_malformed_cache_is_ignored(tmp_path: Path) -> None:
     cache.write_text(json.dumps(good))
     assert _read_cache(cache, key) is not None
     for bad_row in (["vllm/a.py", "1", [], False, None], ["vllm/b.py", 1, [], False, None],
-                    ["vllm/a.py", 1, [True], False, None]):
+                    ["vllm/a.py", 1, [True], False, None], ["vllm/a.py", True, [], False, None],
+                    ["vllm/a.py", 1, [], False, [7]]):
         cache.write_text(json.dumps({**good, "files": {"vllm/a.py": [bad_row]}}))
         assert _read_cache(cache, key) is None
     cache.write_text("{not json")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import py_compile
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from series_lock_check import assert_lock_is_current
 
 from m3patch.patching.api import apply_series, revert_series, verify_tree
 from m3patch.patching.locate import tree_at
@@ -45,14 +44,7 @@ def test_series_applies_compiles_and_reverts(tree_032: Path, tmp_path: Path) -> 
 
 
 def test_lock_is_current(tmp_path: Path) -> None:
-    copy = shutil.copytree(SERIES, tmp_path / "series")
-    (copy / "series.lock.json").unlink()
-    proc = subprocess.run([sys.executable, "-m", "m3patch", "series", "lock", "--series", str(copy),
-                           "--pristine"], capture_output=True, text=True, cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stderr
-    fresh = json.loads((copy / "series.lock.json").read_text())
-    assert fresh == json.loads((SERIES / "series.lock.json").read_text()), \
-        "stale lock: run `m3patch series lock --series patches/vllm-0.32.0 --pristine`"
+    assert_lock_is_current("vllm-0.32.0", tmp_path)
 
 
 def test_manifest_names_upstream_and_requires_no_marker_of_its_own() -> None:

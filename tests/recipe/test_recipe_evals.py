@@ -92,6 +92,7 @@ def test_no_section_means_no_gate(tmp_path: Path) -> None:
     ({"tasks": [task(**{"gen-kwargs": {"until": "a,b"}})]}, "--gen_kwargs"),
     ({"tasks": [task(task="gsm8k --x")]}, "lm-eval task name"),
     ({"tasks": [task(dataset="not a/hub/id")]}, "hub dataset id"),
+    ({"tasks": [task(**{"dataset-name": 3})]}, "At key: dataset-name\n=====> expected a string"),
 ])
 def test_bad_sections_name_the_key(tmp_path: Path, section: object, needle: str) -> None:
     with pytest.raises(SchemaError) as info:

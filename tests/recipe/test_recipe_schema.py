@@ -103,6 +103,13 @@ def test_unknown_key_suggests_and_names_the_file(tmp_path: Path) -> None:
     # a bad pattern fails at load, not with a traceback at the first log line
     ({"markers": {"forbidden": [{"id": "x", "text": "regex:Using ('"}]}},
      "==> At key: forbidden\n==> At index 0\n==> At key: text\n=====> invalid regex"),
+    ({"sweep": {"rows": [{"isl": 1, "osl": 1, "conc-start": 1, "conc-end": 2}],
+                "regions": [{"when": {"isl-min": 1}, "vllm-args": ["x"]}]}},
+     "==> At key: regions\n==> At index 0\n==> At key: vllm-args\n=====> expected a mapping"),
+    # a role name is a file name and a word of the sbatch script
+    ({"topology": {"roles": {"h$(id)": {"kind": "dp-head"}}}},
+     "==> At key: h$(id)\n=====> a role name is letters"),
+    ({"topology": {"roles": {"head:0": {"kind": "dp-head"}}}}, "a role name is letters"),
 ])
 def test_invalid_values_fail_with_a_breadcrumb(tmp_path: Path, change: dict[str, object],
                                                needle: str) -> None:

@@ -171,6 +171,14 @@ def test_a_corrupt_cache_is_refused_not_trusted(tmp_path: Path,
         vp.cached_actions("/usr/bin/python3", "0.32.0")
 
 
+def test_a_malformed_parse_verdict_is_refused_not_trusted() -> None:
+    dump = {"vllm_version": "0.32.0", "actions": [],
+            "unknown_keys": [{"option": "--speculative-config", "key": 1, "known": []}]}
+    with pytest.raises(LaunchRejected, match="malformed `parse_error` or `unknown_keys`"):
+        vp.actions_from_dump(dump, "verdict")
+    assert vp.actions_from_dump({**dump, "unknown_keys": []}, "verdict").vllm_version == "0.32.0"
+
+
 def test_probe_deadline_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vp.DEADLINE_ENV, "nan")
     with pytest.raises(LaunchRejected, match="not a positive number"):
