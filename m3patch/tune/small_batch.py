@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from m3patch.errors import ResultsInvalid
 from m3patch.tune.tile import TileConfig
 
 FLOOR_TARGET = 0.70  # the fraction of the weight-read floor asked of M <= 4
@@ -90,18 +91,25 @@ def time_at_target(floor_us: float, target: float = FLOOR_TARGET) -> float:
     return floor_us / target
 
 
-def split_k_picks(run: Mapping[str, Any], tolerance: float) -> dict[int, dict[str, Any]]:
+def split_k_picks(run: Mapping[str, Any], tolerance: float, where: str = "small-batch run"
+                  ) -> dict[int, dict[str, Any]]:
     """From a small-batch run (scripts/small_batch_h200.py's JSON): per batch size the judge's
     record for its fastest split-K config, kept only where the judge chose it over vLLM's
-    default and its relative error on both seeds is a number within `tolerance` (NaN fails)."""
+    default and its relative error on both seeds is a number within `tolerance` (NaN fails).
+    The run is read back as untrusted: a missing or mistyped field is ResultsInvalid naming it."""
     picks: dict[int, dict[str, Any]] = {}
-    for batch, entry in run["batches"].items():
-        for detail in entry["details"]:
-            if detail["label"] != "best-split-k" or detail["judge"]["decision"] != "tuned":
+    for batch, entry in _field(run, "batches", where, Mapping).items():
+        at = f"{where}: batches.{batch}"
+        for i, detail in enumerate(_field(entry, "details", at, list)):
+            at_detail = f"{at}.details[{i}]"
+            judge = _field(detail, "judge", at_detail, Mapping)
+            if (_field(detail, "label", at_detail, str) != "best-split-k"
+                    or _field(judge, "decision", f"{at_detail}.judge", str) != "tuned"):
                 continue
-            errors = (detail["rel_err"], detail["rel_err_fresh_seed"])
+            errors = (detail.get("rel_err"), detail.get("rel_err_fresh_seed"))
             if all(isinstance(e, float) and e <= tolerance for e in errors):
-                picks[int(batch)] = detail["judge"]
+                _field(judge, "tuned_config", f"{at_detail}.judge", str)
+                picks[_batch(batch, at)] = dict(judge)
     return picks
 
 
@@ -110,15 +118,56 @@ def confirmed(picks: Mapping[int, Mapping[str, Any]], checks: Sequence[Mapping[s
     """The picks that every `tune --check` run of the table holding them (each its own
     process) also judged a win for the same config: one run's noise estimate can be beaten
     by the scatter between processes, so a shipped entry needs both."""
+    rows_per_check = [_check_rows(c, f"check run {i + 1}") for i, c in enumerate(checks)]
     kept: dict[int, Mapping[str, Any]] = {}
     for batch, pick in picks.items():
-        rows = [next((r for r in _check_rows(c) if r["batch"] == batch), None) for c in checks]
+        rows = [next((r for r in rows if r["batch"] == batch), None) for rows in rows_per_check]
         if checks and all(r is not None and r["tuned_config"] == pick["tuned_config"]
                           and r["verdict"] == "wins" for r in rows):
             kept[batch] = pick
     return kept
 
 
-def _check_rows(check: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    rows = check["per_batch"]
-    return list(rows.values()) if isinstance(rows, Mapping) else list(rows)
+def _check_rows(check: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
+    rows = _field(check, "per_batch", where, (Mapping, list))
+    listed = list(rows.values()) if isinstance(rows, Mapping) else list(rows)
+    for i, row in enumerate(listed):
+        at = f"{where}: per_batch[{i}]"
+        if not isinstance(row, Mapping):
+            msg = f"{at}: expected an object, got {type(row).__name__}"
+            raise ResultsInvalid(msg, hint=_HINT)
+        _batch(_field(row, "batch", at, int), at)
+        _field(row, "tuned_config", at, str)
+        _field(row, "verdict", at, str)
+    return listed
+
+
+_HINT = "pass the JSON files the small-batch script and `m3patch tune --check --json` wrote"
+
+
+def _field(record: object, key: str, where: str, kind: type | tuple[type, ...]) -> Any:
+    """record[key], which must be of `kind` (a bool is never an int here)."""
+    if not isinstance(record, Mapping):
+        msg = f"{where}: expected an object, got {type(record).__name__}"
+        raise ResultsInvalid(msg, hint=_HINT)
+    value = record.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        msg = f"{where}: '{key}' missing or not {_kind_name(kind)} (got {value!r:.60})"
+        raise ResultsInvalid(msg, hint=_HINT)
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _batch(value: object, where: str) -> int:
+    try:
+        batch = int(str(value))
+    except ValueError:
+        batch = 0
+    if batch < 1:
+        msg = f"{where}: batch size {value!r} is not a positive integer"
+        raise ResultsInvalid(msg, hint=_HINT)
+    return batch

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from m3patch.errors import ResultsInvalid
 from m3patch.patching.series import load_series
 from m3patch.tune import naming
 from m3patch.tune.inputs import Alignment
@@ -181,3 +182,18 @@ def test_split_entries_ship_only_with_the_split_kernel() -> None:
     assert {b: c.key for b, c in table.items() if c.split_k > 1} == SHIPPED
     ids = [p.id for p in load_series(REPO / "patches/vllm-0.33.0").patches]
     assert ids.index("tuned-tables-h200") < ids.index("moe-split-k")
+
+
+def test_a_malformed_run_or_check_is_results_invalid_naming_the_key() -> None:
+    run = _json("call1/small-batch.json")
+    broken = copy.deepcopy(run)
+    broken["batches"]["2"]["details"][0].pop("judge")
+    with pytest.raises(ResultsInvalid, match=r"batches\.2\.details\[0\]: 'judge' missing"):
+        split_k_picks(broken, TOLERANCE, "run.json")
+    picks = split_k_picks(run, TOLERANCE)
+    check = _json("call2/check-tp8-run1.json")
+    check["per_batch"][0]["batch"] = True
+    with pytest.raises(ResultsInvalid, match=r"check run 1: per_batch\[0\]: 'batch'"):
+        confirmed(picks, [check])
+    with pytest.raises(ResultsInvalid, match="'per_batch' missing"):
+        confirmed(picks, [{"rows": []}])
