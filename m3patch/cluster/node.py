@@ -7,7 +7,9 @@ What a Slurm task or a per-host container runs:
 4. gate: an API-serving node must answer /health and a real completion, a headless node must
    print every required marker (counts per worker x local DP x TP); then the node's markers;
 5. the head (DP head or P/D proxy) waits until every node published the same series and ledger,
-   verified, and is ready; only then is the set ready (a mismatch: NodeMismatch, 25);
+   verified, and is ready; only then is the set ready (a mismatch: NodeMismatch, 25). A DP head
+   already compares every record published while its own server starts, so a node on another
+   tree fails the set within seconds of publishing, not after the whole model load;
 6. watch: its own process, forbidden markers, the head's /health, and every other node's record:
    a node that exited ends this one too (NodeLost, 26), so no headless node outlives its head.
 The record says `exited` (with the exit code and reason) however this node ends.
@@ -26,7 +28,7 @@ from pathlib import Path
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import NodePlan, node_log, plan_node, require_topology
 from m3patch.cluster.shm import ShmTracker
-from m3patch.errors import M3PatchError, NodeLost, ReadyTimeout, ServerDied
+from m3patch.errors import M3PatchError, NodeLost, ReadyTimeout, ResultsInvalid, ServerDied
 from m3patch.markers import MarkerChecker
 from m3patch.output import info
 from m3patch.patching.series import load_series
@@ -120,7 +122,7 @@ class NodeRun:
         self.supervisor.start()
         self._publish("starting", verified=self.role.runs_vllm)
         if self.plan.serves_http:
-            self.supervisor.wait_ready()
+            self.supervisor.wait_ready(self._check_published if self._compares_early else None)
         else:
             self._wait_markers()
         time.sleep(1.0)  # lets the reader drain lines written just before ready
@@ -149,6 +151,22 @@ class NodeRun:
     @property
     def plan_fix(self) -> str:
         return f"{self.fix} --role {self.node.role} --rank {self.node.rank}"
+
+    @property
+    def _compares_early(self) -> bool:
+        """A vLLM head holds every node to its own tree already while its server starts."""
+        return self.node == self.topo.head and self.ledger is not None
+
+    def _check_published(self) -> None:
+        """Every node that published so far runs the head's tree and has not exited: a wrong
+        tree fails the set in seconds, not after a whole model load (NodeMismatch / NodeLost)."""
+        assert self.ledger is not None
+        others = tuple(n for n in self.topo.nodes() if n != self.node)
+        try:
+            records = rv.read_records(self.run_dir)
+        except ResultsInvalid:
+            return  # a record being replaced; _wait_set reads every record strictly later
+        rv.compare(others, records, self.series, self.ledger, self.fix)
 
     def _wait_set(self) -> None:
         """The head: every other node published, verified, the same tree, and is ready."""
