@@ -2,11 +2,12 @@
 
 What a Slurm task or a per-host container runs:
 1. apply + verify the series on this node's tree (not for the proxy, which has none);
-2. publish this node's record to the rendezvous (series id, ledger digest, verified);
+2. publish this node's record to the rendezvous (series id, ledger and tree digests,
+   verified);
 3. start the role's process under the serving Supervisor (log, streaming MarkerChecker);
 4. gate: an API-serving node must answer /health and a real completion, a headless node must
    print every required marker (counts per worker x local DP x TP); then the node's markers;
-5. the head (DP head or P/D proxy) waits until every node published the same series and ledger,
+5. the head (DP head or P/D proxy) waits until every node published the same series and tree,
    verified, and is ready; only then is the set ready (a mismatch: NodeMismatch, 25). A DP head
    already compares every record published while its own server starts, so a node on another
    tree fails the set within seconds of publishing, not after the whole model load;
@@ -57,6 +58,7 @@ class NodeRun:
         self.echo = echo
         self.series = load_series(recipe.series_dir).id
         self.ledger: str | None = None
+        self.tree: str | None = None  # rendezvous.tree_sha256 of the ledger
         self.plan: NodePlan | None = None
         self.supervisor: Supervisor | None = None
         self.fix = f"m3patch serve {recipe.path}"
@@ -69,8 +71,8 @@ class NodeRun:
         rv.publish(self.run_dir, rv.NodeRecord(
             role=self.node.role, rank=self.node.rank, host=socket.gethostname(), pid=os.getpid(),
             pgid=pgid, series=self.series if self.role.runs_vllm else None,
-            ledger_sha256=self.ledger, verified=verified, state=state, exit_code=exit_code,
-            reason=reason))
+            ledger_sha256=self.ledger, tree_sha256=self.tree, verified=verified, state=state,
+            exit_code=exit_code, reason=reason))
 
     # ------------------------------------------------------------------ the run
 
@@ -111,6 +113,7 @@ class NodeRun:
             ensured = ensure_tree(self.recipe, self.python)
             info(ensured.report.summary().removeprefix("m3patch: "))
             self.ledger = ensured.ledger_sha256
+            self.tree = rv.tree_sha256(ensured.ledger_bytes, str(ensured.tree.root))
         self.plan = plan_node(self.recipe, self.node, self.python, node_log(self.run_dir, self.node),
                               self.ledger)
         self._publish("starting", verified=self.role.runs_vllm)
@@ -155,18 +158,18 @@ class NodeRun:
     @property
     def _compares_early(self) -> bool:
         """A vLLM head holds every node to its own tree already while its server starts."""
-        return self.node == self.topo.head and self.ledger is not None
+        return self.node == self.topo.head and self.tree is not None
 
     def _check_published(self) -> None:
         """Every node that published so far runs the head's tree and has not exited: a wrong
         tree fails the set in seconds, not after a whole model load (NodeMismatch / NodeLost)."""
-        assert self.ledger is not None
+        assert self.tree is not None
         others = tuple(n for n in self.topo.nodes() if n != self.node)
         try:
             records = rv.read_records(self.run_dir)
         except ResultsInvalid:
             return  # a record being replaced; _wait_set reads every record strictly later
-        rv.compare(others, records, self.series, self.ledger, self.fix)
+        rv.compare(others, records, self.series, self.tree, self.fix)
 
     def _wait_set(self) -> None:
         """The head: every other node published, verified, the same tree, and is ready."""
@@ -174,8 +177,8 @@ class NodeRun:
         deadline = time.monotonic() + self.recipe.deadlines.ready_s
         while True:
             records = rv.read_records(self.run_dir)
-            series, ledger = self._reference(records)
-            waiting = rv.compare(others, records, series, ledger, self.fix)
+            series, tree = self._reference(records)
+            waiting = rv.compare(others, records, series, tree, self.fix)
             waiting += [n for n in others if n in records and records[n].state != "ready"]
             if not waiting:
                 return
@@ -188,11 +191,11 @@ class NodeRun:
 
     def _reference(self, records: dict[NodeId, rv.NodeRecord]) -> tuple[str, str]:
         """The head's own tree; the proxy (no tree) holds every node to the first vLLM node's."""
-        if self.ledger is not None:
-            return self.series, self.ledger
+        if self.tree is not None:
+            return self.series, self.tree
         for record in records.values():
-            if record.series is not None and record.ledger_sha256 is not None:
-                return self.series, record.ledger_sha256
+            if record.series is not None and record.tree_sha256 is not None:
+                return self.series, record.tree_sha256
         return self.series, "0" * 64
 
     def _raise_if_other_exited(self) -> None:

@@ -95,6 +95,7 @@ def assert_gated_and_answering(live: LiveSet) -> None:
     records = live.records()
     assert {records[HEAD].state, records[NODE].state} == {"ready"}
     assert records[HEAD].ledger_sha256 == records[NODE].ledger_sha256
+    assert records[HEAD].tree_sha256 == records[NODE].tree_sha256
     assert records[NODE].verified and records[HEAD].verified
     head_log = (live.run_dir / "logs" / "head-0.log").read_text()
     node_log = (live.run_dir / "logs" / "node-0.log").read_text()

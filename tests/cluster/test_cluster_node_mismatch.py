@@ -1,5 +1,5 @@
 """A real two-node DP set whose headless node runs another tree: the head refuses the set with
-NodeMismatch (25) naming the node and both series ids and ledger digests, and every process of
+NodeMismatch (25) naming the node and both series ids and tree digests, and every process of
 both nodes stops, with no orphan and no /dev/shm file left.
 
 The head compares every record published while its own server starts, so the set fails within
@@ -95,11 +95,11 @@ def test_a_node_on_another_tree_fails_the_set_with_25(cpu_venv: Path, tiny_model
     assert (run_dir / "logs").is_dir(), err
     records = rv.read_records(run_dir)
     assert head.returncode == 25, err + node_err.read_text()
-    head_ledger, node_ledger = records[HEAD].ledger_sha256, records[NODE].ledger_sha256
-    assert head_ledger and node_ledger and head_ledger != node_ledger
+    head_tree, node_tree = records[HEAD].tree_sha256, records[NODE].tree_sha256
+    assert head_tree and node_tree and head_tree != node_tree
     line = next(x for x in err.splitlines() if "node node/0" in x)
-    for value in (f"series {OTHER_ID}", f"sha256:{node_ledger}", f"runs {SERIES.name} ",
-                  f"sha256:{head_ledger}"):
+    for value in (f"series {OTHER_ID}", f"tree sha256:{node_tree}", f"runs {SERIES.name} ",
+                  f"tree sha256:{head_tree}"):
         assert value in line, line
     # The head compares records while its server starts: it failed the set long before a DP
     # set could be ready (~80 s here), not after the whole model load.
