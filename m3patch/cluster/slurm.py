@@ -78,7 +78,7 @@ until grep -q '"state": "ready"' "$RUN/nodes/{head_slug}.json" 2>/dev/null; do
 done
 $M3PATCH_CMD bench "$RECIPE" --url "http://$M3PATCH_HEAD_ADDR:{port}" --run-dir "$RUN/bench"
 # SIGTERM: srun forwards it to every task, whose runner stops its server through the stop ladder
-# (a single SIGINT would only make srun print the tasks' states).
+# (srun's manual: a single SIGINT only makes it print the tasks' states).
 kill -TERM "$SET"; wait "$SET" || true"""
 
 
