@@ -28,7 +28,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 22   | PortConflict          | `series port`: a hunk conflicts on the new tree (output incomplete) |
 | 23   | MarkerUnprintable     | a marker no log call of the tree plus series can print         |
 | 24   | LaunchRejected        | vLLM's own parser / env list refuses the recipe's launch       |
-| 25   | NodeMismatch          | a node of a multi-node set runs another series, ledger, or an unverified tree |
+| 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |

@@ -2,12 +2,15 @@
 
 What a Slurm task or a per-host container runs:
 1. apply + verify the series on this node's tree (not for the proxy, which has none);
-2. publish this node's record to the rendezvous (series id, ledger digest, verified);
+2. publish this node's record to the rendezvous (series id, ledger and tree digests,
+   verified);
 3. start the role's process under the serving Supervisor (log, streaming MarkerChecker);
 4. gate: an API-serving node must answer /health and a real completion, a headless node must
    print every required marker (counts per worker x local DP x TP); then the node's markers;
-5. the head (DP head or P/D proxy) waits until every node published the same series and ledger,
-   verified, and is ready; only then is the set ready (a mismatch: NodeMismatch, 25);
+5. the head (DP head or P/D proxy) waits until every node published the same series and tree,
+   verified, and is ready; only then is the set ready (a mismatch: NodeMismatch, 25). A DP head
+   already compares every record published while its own server starts, so a node on another
+   tree fails the set within seconds of publishing, not after the whole model load;
 6. watch: its own process, forbidden markers, the head's /health, and every other node's record:
    a node that exited ends this one too (NodeLost, 26), so no headless node outlives its head.
 The record says `exited` (with the exit code and reason) however this node ends.
@@ -26,7 +29,7 @@ from pathlib import Path
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import NodePlan, node_log, plan_node, require_topology
 from m3patch.cluster.shm import ShmTracker
-from m3patch.errors import M3PatchError, NodeLost, ReadyTimeout, ServerDied
+from m3patch.errors import M3PatchError, NodeLost, ReadyTimeout, ResultsInvalid, ServerDied
 from m3patch.markers import MarkerChecker
 from m3patch.output import info
 from m3patch.patching.series import load_series
@@ -55,6 +58,7 @@ class NodeRun:
         self.echo = echo
         self.series = load_series(recipe.series_dir).id
         self.ledger: str | None = None
+        self.tree: str | None = None  # rendezvous.tree_sha256 of the ledger
         self.plan: NodePlan | None = None
         self.supervisor: Supervisor | None = None
         self.fix = f"m3patch serve {recipe.path}"
@@ -67,8 +71,8 @@ class NodeRun:
         rv.publish(self.run_dir, rv.NodeRecord(
             role=self.node.role, rank=self.node.rank, host=socket.gethostname(), pid=os.getpid(),
             pgid=pgid, series=self.series if self.role.runs_vllm else None,
-            ledger_sha256=self.ledger, verified=verified, state=state, exit_code=exit_code,
-            reason=reason))
+            ledger_sha256=self.ledger, tree_sha256=self.tree, verified=verified, state=state,
+            exit_code=exit_code, reason=reason))
 
     # ------------------------------------------------------------------ the run
 
@@ -109,6 +113,7 @@ class NodeRun:
             ensured = ensure_tree(self.recipe, self.python)
             info(ensured.report.summary().removeprefix("m3patch: "))
             self.ledger = ensured.ledger_sha256
+            self.tree = rv.tree_sha256(ensured.ledger_bytes, str(ensured.tree.root))
         self.plan = plan_node(self.recipe, self.node, self.python, node_log(self.run_dir, self.node),
                               self.ledger)
         self._publish("starting", verified=self.role.runs_vllm)
@@ -120,7 +125,7 @@ class NodeRun:
         self.supervisor.start()
         self._publish("starting", verified=self.role.runs_vllm)
         if self.plan.serves_http:
-            self.supervisor.wait_ready()
+            self.supervisor.wait_ready(self._check_published if self._compares_early else None)
         else:
             self._wait_markers()
         time.sleep(1.0)  # lets the reader drain lines written just before ready
@@ -150,14 +155,30 @@ class NodeRun:
     def plan_fix(self) -> str:
         return f"{self.fix} --role {self.node.role} --rank {self.node.rank}"
 
+    @property
+    def _compares_early(self) -> bool:
+        """A vLLM head holds every node to its own tree already while its server starts."""
+        return self.node == self.topo.head and self.tree is not None
+
+    def _check_published(self) -> None:
+        """Every node that published so far runs the head's tree and has not exited: a wrong
+        tree fails the set in seconds, not after a whole model load (NodeMismatch / NodeLost)."""
+        assert self.tree is not None
+        others = tuple(n for n in self.topo.nodes() if n != self.node)
+        try:
+            records = rv.read_records(self.run_dir)
+        except ResultsInvalid:
+            return  # a record being replaced; _wait_set reads every record strictly later
+        rv.compare(others, records, self.series, self.tree, self.fix)
+
     def _wait_set(self) -> None:
         """The head: every other node published, verified, the same tree, and is ready."""
         others = tuple(n for n in self.topo.nodes() if n != self.node)
         deadline = time.monotonic() + self.recipe.deadlines.ready_s
         while True:
             records = rv.read_records(self.run_dir)
-            series, ledger = self._reference(records)
-            waiting = rv.compare(others, records, series, ledger, self.fix)
+            series, tree = self._reference(records)
+            waiting = rv.compare(others, records, series, tree, self.fix)
             waiting += [n for n in others if n in records and records[n].state != "ready"]
             if not waiting:
                 return
@@ -170,11 +191,11 @@ class NodeRun:
 
     def _reference(self, records: dict[NodeId, rv.NodeRecord]) -> tuple[str, str]:
         """The head's own tree; the proxy (no tree) holds every node to the first vLLM node's."""
-        if self.ledger is not None:
-            return self.series, self.ledger
+        if self.tree is not None:
+            return self.series, self.tree
         for record in records.values():
-            if record.series is not None and record.ledger_sha256 is not None:
-                return self.series, record.ledger_sha256
+            if record.series is not None and record.tree_sha256 is not None:
+                return self.series, record.tree_sha256
         return self.series, "0" * 64
 
     def _raise_if_other_exited(self) -> None:

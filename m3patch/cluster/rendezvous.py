@@ -7,13 +7,20 @@ that outlives the head's crash to report it. Each node writes only its own recor
 atomic replace, so a reader never sees half of one) and reads the others as hostile input.
 
 A record: schema, node (role, rank), host, pid, pgid of its server, series id, ledger digest,
-verified (the tree equals the series' pinned post-images), state (starting | ready | exited)
-and, once exited, its exit code and reason. `compare` is pure: the head refuses to report
-ready until every node published, verified, with the head's own series and ledger digest.
+tree digest, verified (the tree equals the series' pinned post-images), state (starting | ready
+| exited) and, once exited, its exit code and reason. `compare` is pure: the head refuses to
+report ready until every node published, verified, with the head's own series and tree digest.
+
+Nodes are compared on the tree digest, not the ledger's: the ledger records when it was applied,
+so hosts that each applied the same series to the same vLLM build a second apart hold the same
+tree under different ledger digests. The tree digest is the ledger without its apply time
+(series, patches, mode, vLLM version, every file's pre- and post-image digest, the tool).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +30,8 @@ from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.fsio import read_json, write_json_atomic
 from m3patch.recipe.topology import NodeId
 
-SCHEMA = 1
+SCHEMA = 2
+LEDGER_TIME_KEY = "time"
 STATES = ("starting", "ready", "exited")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _SLUG = re.compile(r"^[A-Za-z0-9_.]+-[0-9]+$")
@@ -38,6 +46,7 @@ class NodeRecord:
     pgid: int | None
     series: str | None  # None: a node with no tree (the proxy)
     ledger_sha256: str | None
+    tree_sha256: str | None  # the ledger without its apply time: what nodes are compared on
     verified: bool
     state: str
     exit_code: int | None = None
@@ -75,10 +84,13 @@ def parse_record(data: dict[str, Any], where: str) -> NodeRecord:
     if data.get("schema") != SCHEMA:
         msg = f"{where}: schema {data.get('schema')!r}, this m3patch reads {SCHEMA}"
         raise ResultsInvalid(msg, hint=hint)
-    digest = data.get("ledger_sha256")
-    if digest is not None and (not isinstance(digest, str) or not _DIGEST.match(digest)):
-        msg = f"{where}: ledger_sha256 {digest!r} is not a sha256 hex digest"
-        raise ResultsInvalid(msg, hint=hint)
+    digests = {}
+    for key in ("ledger_sha256", "tree_sha256"):
+        digest = data.get(key)
+        if digest is not None and (not isinstance(digest, str) or not _DIGEST.match(digest)):
+            msg = f"{where}: {key} {digest!r} is not a sha256 hex digest"
+            raise ResultsInvalid(msg, hint=hint)
+        digests[key] = digest
     state = _field(data, "state", str, where)
     if state not in STATES:
         msg = f"{where}: state {state!r} is not one of {', '.join(STATES)}"
@@ -87,7 +99,8 @@ def parse_record(data: dict[str, Any], where: str) -> NodeRecord:
         role=_field(data, "role", str, where), rank=_field(data, "rank", int, where),
         host=_field(data, "host", str, where), pid=_field(data, "pid", int, where),
         pgid=_field(data, "pgid", (int, type(None)), where),
-        series=_field(data, "series", (str, type(None)), where), ledger_sha256=digest,
+        series=_field(data, "series", (str, type(None)), where),
+        ledger_sha256=digests["ledger_sha256"], tree_sha256=digests["tree_sha256"],
         verified=_field(data, "verified", bool, where), state=state,
         exit_code=_field(data, "exit_code", (int, type(None)), where),
         reason=_field(data, "reason", str, where))
@@ -111,8 +124,22 @@ def read_records(run_dir: Path) -> dict[NodeId, NodeRecord]:
     return out
 
 
+def tree_sha256(ledger_bytes: bytes, where: str) -> str:
+    """The tree digest: sha256 of the ledger's JSON without its apply time (keys sorted)."""
+    try:
+        data = json.loads(ledger_bytes)
+    except ValueError as exc:
+        msg = f"{where}: the ledger is not JSON ({exc})"
+        raise ResultsInvalid(msg, hint="m3patch status; then m3patch apply --verify") from None
+    if not isinstance(data, dict):
+        msg = f"{where}: the ledger is not a JSON object"
+        raise ResultsInvalid(msg, hint="m3patch status; then m3patch apply --verify")
+    data.pop(LEDGER_TIME_KEY, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
 def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], series: str,
-            ledger_sha256: str, fix: str) -> list[NodeId]:
+            tree: str, fix: str) -> list[NodeId]:
     """Nodes that have not published yet; raises NodeMismatch for one that published another tree
     and NodeLost for one that already exited."""
     waiting = []
@@ -130,9 +157,9 @@ def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], ser
         if not record.verified:
             msg = f"node {node} (host {record.host}) did not verify its tree for series {series}"
             raise NodeMismatch(msg, hint=f"on that host: {fix} --role {node.role} --rank {node.rank}")
-        if (record.series, record.ledger_sha256) != (series, ledger_sha256):
-            msg = (f"node {node} (host {record.host}) runs series {record.series} ledger "
-                   f"sha256:{record.ledger_sha256}, the head runs {series} ledger sha256:{ledger_sha256}")
+        if (record.series, record.tree_sha256) != (series, tree):
+            msg = (f"node {node} (host {record.host}) runs series {record.series} tree "
+                   f"sha256:{record.tree_sha256}, the head runs {series} tree sha256:{tree}")
             raise NodeMismatch(msg, hint=f"make every node's tree the same series: {fix} "
                                          f"--role {node.role} --rank {node.rank} on that host")
     return waiting

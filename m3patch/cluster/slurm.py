@@ -77,20 +77,32 @@ until grep -q '"state": "ready"' "$RUN/nodes/{head_slug}.json" 2>/dev/null; do
   sleep 5
 done
 $M3PATCH_CMD bench "$RECIPE" --url "http://$M3PATCH_HEAD_ADDR:{port}" --run-dir "$RUN/bench"
-kill -INT "$SET"; wait "$SET" || true"""
+# SIGTERM: srun forwards it to every task, whose runner stops its server through the stop ladder
+# (srun's manual: a single SIGINT only makes it print the tasks' states).
+kill -TERM "$SET"; wait "$SET" || true"""
 
 
 def sweep_array_script(recipe: Recipe, run_dir: Path, cell_ids: list[str], url: str) -> str:
-    """One array task per sweep cell against a running set (`m3patch bench --only CELL`); every
-    task writes its cell file into the same run folder, so results aggregate as a local run's."""
+    """One array task per sweep cell against a running set (`m3patch bench --only CELL`), every
+    task writing its cell file into the same run folder.
+
+    The tasks run one at a time (`%1`): cells sharing one set would load it together and skew
+    each other's numbers. A task's aggregate.json covers only its own cell (bench aggregates its
+    plan's cells), so the last task then aggregates the whole sweep (`bench --resume` without
+    --only: finished cells are kept, a missing one is measured), as a local run's."""
     ids = " ".join(shlex.quote(c) for c in cell_ids)
+    last = len(cell_ids) - 1
+    bench = (f"${{M3PATCH_CMD:-m3patch}} bench {shlex.quote(str(recipe.path))} --url "
+             f"{shlex.quote(url)} --run-dir {shlex.quote(str(run_dir))}/bench --resume")
     return f"""#!/bin/bash
 #SBATCH --job-name=m3patch-{recipe.name}-sweep
-#SBATCH --array=0-{len(cell_ids) - 1}
+#SBATCH --array=0-{last}%1
 #SBATCH --ntasks=1
 #SBATCH --output={run_dir}/logs/cell-%a.out
 set -euo pipefail
 cells=({ids})
-${{M3PATCH_CMD:-m3patch}} bench {shlex.quote(str(recipe.path))} --url {shlex.quote(url)} \\
-  --run-dir {shlex.quote(str(run_dir))}/bench --resume --only "${{cells[$SLURM_ARRAY_TASK_ID]}}"
+{bench} --only "${{cells[$SLURM_ARRAY_TASK_ID]}}"
+if [ "$SLURM_ARRAY_TASK_ID" -eq {last} ]; then
+  {bench}
+fi
 """

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Once: a second SIGTERM (Slurm's step kill after srun forwarded the first) must not break
+    # the stop ladder this one starts; a SIGKILL still ends a stop that hangs.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     msg = f"received signal {signal.Signals(signum).name}; the server was stopped"
     raise Interrupted(msg, hint="re-run the same `m3patch serve` command")
 

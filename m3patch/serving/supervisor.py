@@ -138,12 +138,15 @@ class Supervisor:
             self.checker.raise_if_forbidden(hint=hint)
             self.checker.raise_if_missing(hint=hint)
 
-    def wait_ready(self) -> float:
-        """Seconds from start to ready; raises on exit, deadline or a forbidden marker."""
+    def wait_ready(self, while_waiting: Callable[[], None] | None = None) -> float:
+        """Seconds from start to ready; raises on exit, deadline or a forbidden marker, or what
+        `while_waiting` (called every poll) raises."""
         start = time.monotonic()
         deadline = start + self.spec.ready_deadline_s
         while True:
             self.raise_if_violation()
+            if while_waiting is not None:
+                while_waiting()
             code = self.exit_code()
             if code is not None:
                 self._join_reader()

@@ -95,6 +95,7 @@ def assert_gated_and_answering(live: LiveSet) -> None:
     records = live.records()
     assert {records[HEAD].state, records[NODE].state} == {"ready"}
     assert records[HEAD].ledger_sha256 == records[NODE].ledger_sha256
+    assert records[HEAD].tree_sha256 == records[NODE].tree_sha256
     assert records[NODE].verified and records[HEAD].verified
     head_log = (live.run_dir / "logs" / "head-0.log").read_text()
     node_log = (live.run_dir / "logs" / "node-0.log").read_text()
@@ -107,7 +108,6 @@ def assert_gated_and_answering(live: LiveSet) -> None:
     assert reply["choices"], reply
 
 
-@pytest.mark.extended  # two servers for 3 min; CI time (the set's logic has the rendering and rendezvous tests)
 def test_killed_node_ends_the_set_with_26(live_set: LiveSet) -> None:
     assert_gated_and_answering(live_set)
     took = kill_and_time(live_set, NODE)

@@ -98,8 +98,8 @@ def test_recipe_level_counts_are_refused_with_a_topology(tmp_path: Path) -> None
 
 def record(role: str, **kw: object) -> rv.NodeRecord:
     fields: dict[str, object] = {"role": role, "rank": 0, "host": "h", "pid": 1, "pgid": 2,
-                                 "series": "vllm-0.32.0", "ledger_sha256": DIGEST, "verified": True,
-                                 "state": "ready"}
+                                 "series": "vllm-0.32.0", "ledger_sha256": DIGEST,
+                                 "tree_sha256": DIGEST, "verified": True, "state": "ready"}
     fields.update(kw)
     return rv.NodeRecord(**fields)  # type: ignore[arg-type]
 
@@ -109,7 +109,7 @@ def test_rendezvous_round_trip_and_compare(tmp_path: Path) -> None:
     records = rv.read_records(tmp_path)
     expected = (NodeId("node", 0), NodeId("late", 0))
     assert rv.compare(expected, records, "vllm-0.32.0", DIGEST, "fix") == [NodeId("late", 0)]
-    with pytest.raises(NodeMismatch, match=r"node node/0 .* runs series vllm-0.32.0 ledger sha256:abab"):
+    with pytest.raises(NodeMismatch, match=r"node node/0 .* runs series vllm-0.32.0 tree sha256:abab"):
         rv.compare(expected, records, "vllm-0.32.0", "cd" * 32, "fix")
     rv.publish(tmp_path, record("node", verified=False))
     with pytest.raises(NodeMismatch, match="did not verify"):
@@ -119,9 +119,23 @@ def test_rendezvous_round_trip_and_compare(tmp_path: Path) -> None:
         rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
 
 
+def test_tree_digest_ignores_only_the_apply_time() -> None:
+    """Two hosts applying the same series a second apart hold one tree; another file does not."""
+    ledger = {"series": "vllm-0.32.0", "patches": ["provenance"], "mode": "strict",
+              "files": [{"path": "vllm/a.py", "pre": "aa" * 32, "post": "bb" * 32, "dirs": []}],
+              "time": "2026-12-01T20:00:00Z", "tool": "m3patch 0.1.0"}
+    later = {**ledger, "time": "2026-12-01T20:00:01Z"}
+    other = {**ledger, "files": [{**ledger["files"][0], "post": "cc" * 32}]}  # type: ignore[dict-item]
+    digest = rv.tree_sha256(json.dumps(ledger, indent=2).encode(), "a")
+    assert rv.tree_sha256(json.dumps(later).encode(), "b") == digest
+    assert rv.tree_sha256(json.dumps(other).encode(), "c") != digest
+    with pytest.raises(ResultsInvalid, match="not JSON"):
+        rv.tree_sha256(b"{", "d")
+
+
 @pytest.mark.parametrize("bad", [
-    {"state": "dancing"}, {"ledger_sha256": "xyz"}, {"rank": "0"}, {"verified": "yes"},
-    {"schema": 2}, {"role": "other"},
+    {"state": "dancing"}, {"ledger_sha256": "xyz"}, {"tree_sha256": "ab"}, {"rank": "0"},
+    {"verified": "yes"}, {"schema": 1}, {"role": "other"},
 ])
 def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> None:
     rv.publish(tmp_path, record("node"))
@@ -151,8 +165,12 @@ def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
     assert 'source "${M3PATCH_SITE_HOOK}"' in script
     assert '"$RUN/nodes/head-0.json"' in script and '$M3PATCH_CMD bench "$RECIPE"' in script
     array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
-    assert "#SBATCH --array=0-2" in array and "cells=(a b c)" in array
+    assert "#SBATCH --array=0-2%1" in array and "cells=(a b c)" in array  # one cell at a time
     assert '--only "${cells[$SLURM_ARRAY_TASK_ID]}"' in array
+    # the last task aggregates every cell (bench without --only), not just its own
+    tail = array.split('if [ "$SLURM_ARRAY_TASK_ID" -eq 2 ]; then', 1)[1]
+    assert "--resume" in tail and "--only" not in tail
+    assert 'kill -TERM "$SET"' in script  # srun forwards TERM; one INT only prints task states
 
 
 NODES_BY_RECIPE = {"mi355x_tp4_pd": ("prefill/0", "decode/0", "proxy/0"),
