@@ -10,7 +10,7 @@ token: the answers came from KV the decode instance received, not from a recompu
 must still be serving afterwards: the decode role forbids the line ExampleConnector prints when
 a load is skipped, which the series' example-connector-no-forward patch limits to real skips
 (unpatched, it prints on every step without a forward, after nearly every request).
-~2.5 min here (the set and the plain instance start together on two cores); ~2.7 GiB per
+~3 min 15 s here (the set and the plain instance start together on two cores); ~2.6 GiB per
 instance, ~8 GiB in all. Run under `flock /tmp/m3patch-serve.lock`."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def whole_blocks_before_last(prompt_tokens: int) -> int:
     return (prompt_tokens - 2) // BLOCK * BLOCK
 
 
-@pytest.mark.extended  # three vLLM instances for ~2.5 min
+@pytest.mark.extended  # three vLLM instances for ~3 min 15 s
 def test_prefill_decode_set_answers_like_a_single_instance(
         pd_and_plain: tuple[Served, Served]) -> None:
     the_set, plain = pd_and_plain
