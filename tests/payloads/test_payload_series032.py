@@ -1,5 +1,6 @@
 """The real vLLM 0.32.0 series: applies, compiles, reverts, is locked; the CPU collectives are
-numerically the single-process reference when two real gloo processes run the patched module."""
+numerically the single-process reference when two real gloo processes run the patched module;
+the real ExampleConnector warns about a missing attn_metadata only when a KV load is skipped."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 SERIES = REPO / "patches" / "vllm-0.32.0"
 COMMUNICATOR = "vllm/distributed/device_communicators/cpu_communicator.py"
 WORKER = Path(__file__).with_name("cpu_collectives_worker.py")
+CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py"
+CONNECTOR_WORKER = Path(__file__).with_name("example_connector_worker.py")
+SKIPPED = "In connector.start_load_kv, but the attn_metadata is None"
 WORLD = 2
 WORKER_TIMEOUT_S = 180
 CASES = {"gatherv_uneven", "gatherv_list_mixed_dtypes", "gatherv_even_no_sizes", "gatherv_empty_rank",
@@ -35,9 +39,10 @@ def tree_032(tmp_path: Path) -> Path:
 def test_series_applies_compiles_and_reverts(tree_032: Path, tmp_path: Path) -> None:
     tree, series = tree_at(tree_032), load_series(SERIES)
     report = apply_series(tree, series)
-    assert set(report.applied) == {"provenance", "cpu-collectives"}
+    assert set(report.applied) == {"provenance", "cpu-collectives", "example-connector-no-forward"}
     assert verify_tree(tree, series).ok
-    py_compile.compile(str(tree_032 / COMMUNICATOR), cfile=str(tmp_path / "x.pyc"), doraise=True)
+    for changed in (COMMUNICATOR, CONNECTOR):
+        py_compile.compile(str(tree_032 / changed), cfile=str(tmp_path / "x.pyc"), doraise=True)
     assert apply_series(tree, series).applied == ()  # idempotent
     revert_series(tree, series)
     assert verify_against_record(tree_032) == []
@@ -93,3 +98,31 @@ def test_collectives_equal_the_single_process_reference(cpu_venv: Path, tree_032
     # the same cases fail on the unpatched module: the test can fail, and this is what it fixes
     for verdicts in run_ranks(python, pristine_file, tmp_path / "pristine"):
         assert all(v.startswith("error NotImplementedError") for v in verdicts.values()), verdicts
+
+
+def connector_warnings(python: Path, module_file: Path, work: Path) -> dict[str, list[str]]:
+    work.mkdir()
+    proc = subprocess.run([str(python), str(CONNECTOR_WORKER), str(module_file), str(work / "kv"),
+                           str(work / "out.json")], capture_output=True, text=True, cwd=work,
+                          timeout=WORKER_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((work / "out.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_example_connector_warns_only_about_a_skipped_load(cpu_venv: Path, tree_032: Path,
+                                                           tmp_path: Path) -> None:
+    python = cpu_venv / "bin" / "python"
+    pristine_file = tmp_path / "pristine_example_connector.py"
+    pristine_file.write_bytes((tree_032 / CONNECTOR).read_bytes())
+    apply_series(tree_at(tree_032), load_series(SERIES))
+
+    patched = connector_warnings(python, tree_032 / CONNECTOR, tmp_path / "patched")
+    # a step without a forward and without a load (every no-token step) is quiet
+    assert patched["no_request"] == [] and patched["store_only"] == [], patched
+    # a load that would be skipped still warns, with the line recipes forbid, and counts the loads
+    for case in ("one_load", "store_and_load"):
+        [line] = patched[case]
+        assert line.startswith(SKIPPED) and "m3patch[example-connector]: 1 KV load(s) skipped" in line
+    # the unpatched module warns on every no-forward step: the noise the patch removes
+    pristine = connector_warnings(python, pristine_file, tmp_path / "pristine")
+    assert all(lines == [SKIPPED] for lines in pristine.values()), pristine
