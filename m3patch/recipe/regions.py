@@ -63,6 +63,7 @@ def regions(raw: object) -> tuple[Region, ...]:
                     if key in when:
                         with at_key(key):
                             bounds.append((key, expect_int(when[key], minimum=1)))
+                _check_ordered(dict(bounds))
             with at_key("vllm-args"):
                 overrides = expect_mapping(data.get("vllm-args", {}))
                 flatten_vllm_args(overrides)  # the same rules as the recipe's own vllm-args
@@ -73,6 +74,15 @@ def regions(raw: object) -> tuple[Region, ...]:
                 raise SchemaError(msg)
             out.append(Region(tuple(bounds), tuple(overrides.items()), env))
     return tuple(out)
+
+
+def _check_ordered(bounds: dict[str, int]) -> None:
+    """A min above its max would make a region that matches no cell: refused, not ignored."""
+    for dim in ("isl", "osl", "conc"):
+        low, high = bounds.get(f"{dim}-min"), bounds.get(f"{dim}-max")
+        if low is not None and high is not None and low > high:
+            msg = f"{dim}-min {low} is above {dim}-max {high}: the region would match no cell"
+            raise SchemaError(msg)
 
 
 @dataclass(frozen=True)

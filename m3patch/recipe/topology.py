@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
@@ -28,6 +28,7 @@ from m3patch.schema import (
     SchemaError,
     at_key,
     check_keys,
+    expect_choice,
     expect_int,
     expect_mapping,
     expect_str,
@@ -177,10 +178,7 @@ def _port(value: object) -> int:
 def _role(name: str, data: dict[str, Any], source: str) -> Role:
     check_keys(data, required=("kind",), optional=ROLE_KEYS)
     with at_key("kind"):
-        kind = expect_str(data["kind"])
-        if kind not in ROLE_KINDS:
-            msg = f"unknown role kind {kind!r}; one of {', '.join(ROLE_KINDS)}"
-            raise SchemaError(msg)
+        kind = cast("RoleKind", expect_choice(data["kind"], ROLE_KINDS))  # one of ROLE_KINDS
     with at_key("nodes"):
         nodes = expect_int(data.get("nodes", 1), minimum=1)
     with at_key("local-dp"):

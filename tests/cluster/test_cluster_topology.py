@@ -74,7 +74,7 @@ def test_marker_counts_are_per_worker(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("edit", "message"), [
     ({"roles": {"n": {"kind": "dp-headless"}}}, "exactly one dp-head"),
     ({"roles": {"h": {"kind": "dp-head", "nodes": 2}}}, "exactly one node"),
-    ({"roles": {"h": {"kind": "dp-hed"}}}, "unknown role kind"),
+    ({"roles": {"h": {"kind": "dp-hed"}}}, "Perhaps you meant 'dp-head'?"),
     ({"roles": {"h": {"kind": "dp-head", "vllm-args": {"data-parallel-size": 4}}}}, "set by m3patch"),
     ({"roles": {"h": {"kind": "dp-head"}, "p": {"kind": "prefill", "port": 9}}}, "either data-parallel"),
     ({"roles": {"p": {"kind": "prefill", "port": 9}, "x": {"kind": "proxy"}}}, "needs a decode"),

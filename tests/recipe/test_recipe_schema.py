@@ -106,6 +106,9 @@ def test_unknown_key_suggests_and_names_the_file(tmp_path: Path) -> None:
     ({"sweep": {"rows": [{"isl": 1, "osl": 1, "conc-start": 1, "conc-end": 2}],
                 "regions": [{"when": {"isl-min": 1}, "vllm-args": ["x"]}]}},
      "==> At key: regions\n==> At index 0\n==> At key: vllm-args\n=====> expected a mapping"),
+    ({"sweep": {"rows": [{"isl": 1, "osl": 1, "conc-start": 1, "conc-end": 2}],
+                "regions": [{"when": {"isl-min": 2048, "isl-max": 1024}, "env": {"A": "1"}}]}},
+     "==> At key: when\n=====> isl-min 2048 is above isl-max 1024: the region would match no cell"),
     # a role name is a file name and a word of the sbatch script
     ({"topology": {"roles": {"h$(id)": {"kind": "dp-head"}}}},
      "==> At key: h$(id)\n=====> a role name is letters"),
