@@ -21,7 +21,7 @@ from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
 from m3patch.recipe.lengths import client_lengths
 from m3patch.serving.launch_plan import LOOPBACK_ENV
-from m3patch.serving.processes import StopRung, stop_group
+from m3patch.serving.processes import StopRung, start_group, stop_group
 
 POLL_SECONDS = 0.5
 TERM_GRACE_SECONDS = 5.0
@@ -102,9 +102,7 @@ def run_client(
     env = {**os.environ, **dict(LOOPBACK_ENV)}  # the server's loopback-only settings
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             returncode = _wait(proc, cell_id, started + deadline_s, deadline_s, check_server)
         finally:

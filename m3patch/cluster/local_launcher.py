@@ -29,7 +29,7 @@ from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.output import info
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.topology import NodeId
-from m3patch.serving.processes import StopRung, group_members, stop_group
+from m3patch.serving.processes import StopRung, group_members, start_group, stop_group
 
 POLL_S = 0.5
 TEARDOWN_S = 60.0
@@ -64,8 +64,8 @@ class LocalSet:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for node in self.topo.nodes():
             log = (self.run_dir / "logs" / f"{node.slug}.m3patch.log").open("wb")
-            proc = subprocess.Popen(self._argv(node), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = start_group(self._argv(node), stdin=subprocess.DEVNULL, stdout=log,
+                               stderr=subprocess.STDOUT)
             self.procs.append(NodeProc(node, proc, log))
             info(f"set: started node {node} (pid {proc.pid}; log {log.name})")
 

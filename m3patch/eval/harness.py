@@ -23,7 +23,7 @@ from pathlib import Path
 from m3patch.errors import EvalError, ServerDied
 from m3patch.recipe.evals import EvalTask
 from m3patch.serving.launch_plan import LOOPBACK_ENV
-from m3patch.serving.processes import StopRung, stop_group
+from m3patch.serving.processes import StopRung, start_group, stop_group
 
 POLL_SECONDS = 0.5
 STOP_LADDER = (StopRung(signal.SIGINT, 5.0), StopRung(signal.SIGTERM, 5.0),
@@ -94,8 +94,7 @@ def run_harness(argv: tuple[str, ...], task: str, out_dir: Path, *, deadline_s: 
     started = time.monotonic()
     with open(log_path, "wb") as log:
         # cwd: lm-eval asks git for a commit hash from where it runs; the run folder has none.
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir,
-                                start_new_session=True)
+        proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
         try:
             code = _wait(proc, task, started + deadline_s, deadline_s, check_server)
         finally:

@@ -1,4 +1,5 @@
-"""Process groups: who is still alive (from /proc; Linux, no psutil) and the one stop ladder.
+"""Process groups: how a child starts (`start_group`), who is still alive (from /proc; Linux,
+no psutil) and the one stop ladder.
 
 `stop_group` is the only place that stops a child's process group: each rung sends one signal
 to the whole group and waits its grace period for the leader and every member to go, so the
@@ -17,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 WAIT_POLL_S = 0.1
 
@@ -32,6 +33,24 @@ class ProcEntry(NamedTuple):
 class StopRung(NamedTuple):
     sig: signal.Signals
     grace_s: float  # how long the group gets to go after this signal; math.inf: until it does
+
+
+def start_group(argv: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start `argv` as the leader of its own process group, with SIGINT at its default action.
+
+    The stop ladder's first rung is SIGINT. A signal ignored at exec stays ignored, and a shell
+    starts a background job of a script with SIGINT ignored; m3patch run that way would pass the
+    ignore on to every child, and each stop would wait out the whole SIGINT grace (20 s for a
+    server) before SIGTERM."""
+    inherited_ignore = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    # preexec_fn only in that case: one signal() call in the child, no lock taken
+    return subprocess.Popen(
+        list(argv), start_new_session=True,
+        preexec_fn=_default_sigint if inherited_ignore else None, **popen)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def live_processes() -> Iterator[ProcEntry]:

@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
-from m3patch.serving.processes import StopRung, stop_group
+from m3patch.serving.processes import StopRung, start_group, stop_group
 
 POLL_S = 0.5
 TAIL_LINES = 15
@@ -81,9 +81,9 @@ class Supervisor:
             msg = f"{self.spec.log_path}: cannot write the server log: {exc.strerror}"
             raise TreeIOError(msg, hint="choose a writable results folder (--run-dir)") from None
         try:
-            self.proc = subprocess.Popen(
+            self.proc = start_group(
                 self.spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=dict(self.spec.env), start_new_session=True)
+                stderr=subprocess.STDOUT, env=dict(self.spec.env))
         except OSError as exc:
             log.close()
             msg = f"cannot start {self.spec.argv[0]}: {exc.strerror}"

@@ -7,13 +7,15 @@ ignored stands in; it forks a grandchild into its group to show the whole group 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from m3patch.serving.processes import StopRung, group_members, stop_group
+from m3patch.serving.processes import StopRung, group_members, start_group, stop_group
 
 STUBBORN = """
 import os, signal, sys, time
@@ -72,3 +74,41 @@ def test_a_leader_already_gone_is_not_signalled(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
     proc.wait()
     assert stop_group(proc, (StopRung(signal.SIGKILL, 1.0),)) == 3
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """This process as a shell's background job starts it: SIGINT ignored, which exec keeps."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+SLEEPER = "print('ready', flush=True)\nimport time\ntime.sleep(600)\n"
+LADDER = (StopRung(signal.SIGINT, 5.0), StopRung(signal.SIGKILL, 5.0))
+
+
+def _ready(proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "ready" not in log.read_text():
+        time.sleep(0.05)
+
+
+def test_a_child_started_while_sigint_is_ignored_still_goes_on_the_first_rung(
+        tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    with sigint_ignored(), log.open("wb") as out:
+        proc = start_group([sys.executable, "-c", SLEEPER], stdout=out, stderr=subprocess.STDOUT)
+        plain = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    _ready(proc, log)
+    started = time.monotonic()
+    status = stop_group(proc, LADDER)
+    assert status != -signal.SIGKILL and time.monotonic() - started < 4.0, status
+    assert group_members(proc.pid) == []
+    # Without start_group the child inherits the ignore: SIGINT is lost and only SIGKILL ends it.
+    started = time.monotonic()
+    assert stop_group(plain, LADDER) == -signal.SIGKILL
+    assert time.monotonic() - started >= 5.0
