@@ -11,7 +11,6 @@ order). Writes {case: "ok" | "mismatch ..." | "error ..."} to OUT_JSON.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import zlib
@@ -19,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import vllm.distributed.device_communicators as package
+from worker_modules import load_as  # beside this script: on sys.path
 
 MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 UNEVEN = [3, 5]
@@ -29,17 +28,6 @@ def rank_input(rank: int, rows: int, cols: int, dtype: torch.dtype, case: str) -
     # crc32, not hash(): str hashing differs per process and every rank needs every seed
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case}/{rank}".encode()))
     return torch.randint(-50, 50, (rows, cols), generator=gen).to(dtype)
-
-
-def load_module(path: str) -> object:
-    spec = importlib.util.spec_from_file_location(MODULE, path,
-                                                  submodule_search_locations=None)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = package.__name__
-    sys.modules[MODULE] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def check(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -102,7 +90,7 @@ def cases(comm: object, rank: int, world: int) -> dict[str, Callable[[], str]]:
 def main() -> int:
     rank, world, init_file, module_file, out = (int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    module = load_module(module_file)
+    module = load_as(MODULE, module_file)
     group = dist.new_group(list(range(world)), backend="gloo")
     # use_all2all=False: the all2all manager needs vLLM's DP group, which only a server builds;
     # the collectives under test do not depend on it (the log line is gated in the DP serve test)

@@ -11,31 +11,19 @@ vLLM's `kv_connector_no_forward` gives every step that schedules no tokens. Writ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import sys
-from types import ModuleType
 
-import vllm.distributed.kv_transfer.kv_connector.v1 as package
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import get_forward_context, set_forward_context
+from worker_modules import load_as  # beside this script: on sys.path
 
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 BLOCK = 32
 PROMPT = list(range(1000, 1090))  # 90 tokens: two whole blocks to store or load
 BLOCKS = [0, 1, 2]
-
-
-def load_module(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(MODULE, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = package.__name__
-    sys.modules[MODULE] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Warnings(logging.Handler):
@@ -48,7 +36,7 @@ class Warnings(logging.Handler):
 
 
 def main(module_file: str, storage: str, out: str) -> None:
-    ec = load_module(module_file)
+    ec = load_as(MODULE, module_file)
     config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=KVTransferConfig(
         kv_connector="ExampleConnector", kv_role="kv_consumer",
         kv_connector_extra_config={"shared_storage_path": storage}))
