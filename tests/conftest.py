@@ -8,6 +8,7 @@ pristine (tests that edit a file by hand must use `core_helpers.replace_file`, n
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,11 @@ def tiny_model(cpu_venv: Path) -> Path:
     subprocess.run([str(cpu_venv / "bin" / "python"), str(REPO / "scripts" / "make_tiny_model.py"),
                     str(out)], check=True, capture_output=True, timeout=300)
     return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a script's background job with SIGINT ignored, and exec passes that on: the
+    # tests that interrupt a child `m3patch serve` with SIGINT need it at its default there, as
+    # a terminal's Ctrl-C would find it.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

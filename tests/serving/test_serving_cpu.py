@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from m3patch.patching.series import load_series
 from m3patch.serving.processes import children_of, group_members
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +125,9 @@ def test_good_run_logs_real_markers_and_provenance(live: LiveServer, cpu_venv: P
     ledger = next(cpu_venv.glob("lib/python*/site-packages/vllm/.m3patch/ledger.json"))
     digest = hashlib.sha256(ledger.read_bytes()).hexdigest()
     line = next(x for x in log.splitlines() if "m3patch[provenance]:" in x)
-    assert line.endswith(f"series=vllm-0.32.0 patches=provenance,cpu-collectives ledger=sha256:{digest}")
+    patches = ",".join(patch.id for patch in load_series(SERIES).patches)  # every one, in order
+    assert patches.startswith("provenance,cpu-collectives,")
+    assert line.endswith(f"series=vllm-0.32.0 patches={patches} ledger=sha256:{digest}")
     stderr = live.stderr_path.read_text()
     assert "markers ok, 1 warning marker(s)" in stderr  # a warning never stops the run
     assert "warning 'no-tcmalloc' (" in stderr and f"fix: {TCMALLOC_FIX}" in stderr
