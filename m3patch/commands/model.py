@@ -58,7 +58,7 @@ def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:
         for line in datasets.fetch(spec, path):
             info(f"eval dataset fetched: {line}")
     hub = [t for t in spec.tasks if t.dataset is not None]
-    cache = datasets.hub_cache(os.environ)
+    cache = model_files.env_hub_cache(os.environ)
     table(f"eval datasets (Hugging Face cache {cache})", ["task", "dataset", "state"],
           [[t.task, t.dataset, "present" if datasets.is_cached(t, cache) else "MISSING"]
            for t in hub])

@@ -25,11 +25,6 @@ FETCH_SCRIPT = ("import sys, datasets; "
                 "print({k: len(v) for k, v in d.items()})")
 
 
-def hub_cache(env: Mapping[str, str]) -> Path:
-    """Where the datasets lie: the same hub cache the model files are looked up in."""
-    return env_hub_cache(env)
-
-
 def dataset_folder(cache: Path, dataset: str) -> Path:
     return cache / ("datasets--" + dataset.replace("/", "--"))
 
@@ -42,7 +37,7 @@ def is_cached(task: EvalTask, cache: Path) -> bool:
 
 
 def missing(spec: EvalSpec, env: Mapping[str, str] | None = None) -> tuple[EvalTask, ...]:
-    cache = hub_cache(os.environ if env is None else env)
+    cache = env_hub_cache(os.environ if env is None else env)
     return tuple(t for t in spec.tasks if not is_cached(t, cache))
 
 
@@ -50,7 +45,7 @@ def require_cached(spec: EvalSpec, recipe_path: Path, env: Mapping[str, str] | N
     """Fail before the harness starts (and before the sweep) when a dataset is not cached."""
     absent = missing(spec, env)
     if absent:
-        cache = hub_cache(os.environ if env is None else env)
+        cache = env_hub_cache(os.environ if env is None else env)
         names = ", ".join(f"{t.task} ({t.dataset})" for t in absent)
         msg = f"{recipe_path}: eval dataset not in {cache}: {names} (the eval runs offline)"
         raise EvalError(msg, hint=f"m3patch model fetch {recipe_path}")

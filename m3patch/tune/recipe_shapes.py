@@ -18,6 +18,7 @@ from typing import Any
 from m3patch.errors import UsageError
 from m3patch.fsio import read_json
 from m3patch.recipe.loader import Recipe
+from m3patch.recipe.model_files import env_hub_cache
 from m3patch.tune.shapes import MoEShape, shapes_from_model_config
 
 _TRUE = ("1", "true")
@@ -49,11 +50,9 @@ def deployment(recipe: Recipe) -> RecipeDeployment:
 
 
 def hub_cache_dirs() -> list[Path]:
-    """Where huggingface_hub keeps snapshots, in its own order of precedence."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return [Path(os.environ["HF_HUB_CACHE"]).expanduser()]
-    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    return [home / "hub"]
+    """Where huggingface_hub keeps snapshots: the one lookup `model check` and the eval
+    datasets use too, so the tuner reads the model config from the same cache."""
+    return [env_hub_cache(os.environ)]
 
 
 def _cached_hub_config(repo_id: str) -> Path | None:
