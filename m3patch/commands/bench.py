@@ -114,15 +114,22 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
-def _accuracy(base: Path, new: Path) -> dict[str, object]:
-    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+def _scores(base: Path, new: Path) -> tuple[eval_compare.Scores, eval_compare.Scores] | None:
+    """Each run's eval/eval.json scores, None when neither run recorded an eval."""
     paths = eval_compare.record_path(base), eval_compare.record_path(new)
     if paths == (None, None):
-        return {}
+        return None
     base_s, new_s = (eval_compare.read_scores(p) if p else {} for p in paths)
+    return base_s, new_s
+
+
+def _accuracy(scores: tuple[eval_compare.Scores, eval_compare.Scores] | None) -> dict[str, object]:
+    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+    if scores is None:
+        return {}
     table("accuracy (eval/eval.json): base -> new", ["Task", "Metric", "Base", "New", "Change"],
-          eval_compare.compare_rows(base_s, new_s))
-    return {"accuracy": eval_compare.to_json(base_s, new_s)}
+          eval_compare.compare_rows(*scores))
+    return {"accuracy": eval_compare.to_json(*scores)}
 
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
@@ -137,14 +144,17 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
         report_json.finish(fields)
         return 0
     label = cmp.METRIC_LABELS[args.metric]
-    table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}",
-          ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"],
-          cmp.table_rows(result))
+    scores = _scores(base, new)
+    headers, rows = ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"], cmp.table_rows(result)
+    if scores is not None:  # one run's accuracy holds for every cell: its change on each row
+        headers, change = [*headers, "Accuracy"], eval_compare.change_cell(*scores)
+        rows = [[*row, change] for row in rows]
+    table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}", headers, rows)
     if result.unmatched:
         table("not compared", ["Reason", "Concurrency", "Cells"],
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
     stdout_console().print(cmp.summary(result), markup=False, highlight=False)
-    accuracy = _accuracy(base, new)
+    accuracy = _accuracy(scores)
     if args.json:
         write_result(Path(args.json), {**cmp.to_json(result), **accuracy})
         info(f"comparison written to {args.json}")
