@@ -10,8 +10,9 @@ rounded down to the task's 1/32 grid. Writes the scores and the derivation as JS
         --seeds 0 1 2 3 4 --runs 2 --out docs/data/tiny-arith-floor.json
 
 The standard error is the larger of the seeds' (sample standard deviation of the per-seed
-means over sqrt(seeds)) and the binomial one of a single 32-question run at the mean score: with
-every seed near 1.0 the first alone is near 0 and would put the floor at the mean.
+means over sqrt(seeds)) and the binomial one of a single 32-question run at the mean score,
+smoothed as (right + 1) / (32 + 2): with every seed at or near 1.0 both raw figures are near 0
+and would put the floor at the mean, failing a good model on one unlucky sum.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def derive(per_seed: dict[int, list[float]], k: float) -> dict[str, float]:
     everything = [x for s in per_seed.values() for x in s]
     mean = statistics.fmean(everything)
     se_seeds = statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else 0.0
-    se_run = math.sqrt(mean * (1.0 - mean) / QUESTIONS)
+    right = mean * QUESTIONS  # Laplace's (x+1)/(n+2): a perfect score still has an error bar
+    smoothed = (right + 1.0) / (QUESTIONS + 2.0)
+    se_run = math.sqrt(smoothed * (1.0 - smoothed) / QUESTIONS)
     se = max(se_seeds, se_run)
     floor = math.floor((mean - k * se) * QUESTIONS) / QUESTIONS
     return {"mean": mean, "se_seeds": se_seeds, "se_binomial_run": se_run, "se": se, "k": k,
