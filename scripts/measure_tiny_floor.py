@@ -119,11 +119,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=2, help="evals per served model")
     parser.add_argument("--k", type=float, default=4.0, help="standard errors below the mean")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--keep", type=Path, help="keep the models, servers' and evals' files here")
     args = parser.parse_args()
     per_seed, train = {}, {}
     with tempfile.TemporaryDirectory(prefix="m3patch-floor-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
-            per_seed[seed], train[seed] = scores_of(seed, args.runs, Path(tmp))
+            per_seed[seed], train[seed] = scores_of(seed, args.runs, work)
             print(f"seed {seed}: scores {per_seed[seed]} (trained in {train[seed]:.0f} s)",
                   file=sys.stderr, flush=True)
     result = {"command": " ".join(["python", "scripts/measure_tiny_floor.py", *sys.argv[1:]]),
