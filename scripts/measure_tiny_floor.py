@@ -121,6 +121,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--keep", type=Path, help="keep the models, servers' and evals' files here")
     args = parser.parse_args()
+    # Started as a background job, this process has SIGINT ignored and its servers would inherit
+    # that: the SIGINT that stops each one must reach it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     per_seed, train = {}, {}
     with tempfile.TemporaryDirectory(prefix="m3patch-floor-") as tmp:
         work = args.keep or Path(tmp)
