@@ -185,6 +185,7 @@ def real_baseline(venv: Path, model: Path, tmp_path: Path) -> Path:
     return base / "eval" / "eval.json"
 
 
+@pytest.mark.extended  # CI time: one more server (about 3 minutes on 2 shared cores); the ci test above is CI's proof
 def test_eval_baseline_max_drop_fails_the_wrong_kernel_against_the_real_series_score(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path, real_series_after: None,
         real_scores: dict[str, Path]) -> None:
