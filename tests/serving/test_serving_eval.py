@@ -138,7 +138,7 @@ def test_a_wrong_moe_kernel_passes_the_markers_and_fails_the_gate_the_real_serie
     done = m3patch("ci", str(real), "--run-dir", str(tmp_path / "real-run"), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     (found,) = SCORE.findall(done.stderr)
-    assert float(found) >= SHIPPED_FLOOR > 0.5
+    assert float(found) >= max(SHIPPED_FLOOR, 0.9) and SHIPPED_FLOOR > 0  # the shipped seed adds
     real_scores["eval.json"] = tmp_path / "real-run" / "eval" / "eval.json"
 
 
