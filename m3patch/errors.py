@@ -31,6 +31,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 31   | AgenticClientError    | AIPerf (the agentic client) is missing, not the pinned version, failed, or left no valid export |
+| 32   | KvOffloadError        | the KV-offload tier failed: LMCache not the pinned version, a server not healthy by its deadline |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -167,6 +169,20 @@ class OutputFailed(M3PatchError):
     work stands; only its report was lost."""
 
     exit_code = 27
+
+
+class AgenticClientError(M3PatchError):
+    """The agentic-coding client (AIPerf, in its own venv) cannot run or measured nothing valid:
+    not installed, not the pinned version, exited non-zero, or its export misses a field."""
+
+    exit_code = 31
+
+
+class KvOffloadError(M3PatchError):
+    """The recipe's KV-offload tier cannot serve: LMCache is not installed at the pinned version,
+    or one of its per-rank servers exited or missed its health deadline."""
+
+    exit_code = 32
 
 
 class Interrupted(M3PatchError):

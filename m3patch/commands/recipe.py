@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3patch.bench.cells import AgenticCell, Cell
 from m3patch.bench.spec import recipe_cells
 from m3patch.cluster.node_plan import plan_set
 from m3patch.errors import M3PatchError
@@ -22,7 +23,6 @@ from m3patch.serving.launch_plan import all_markers, plan_launch
 from m3patch.serving.vllm_parser import check_cached, check_launch
 
 if TYPE_CHECKING:
-    from m3patch.bench.cells import Cell
     from m3patch.markers import MarkerSpec
 
 
@@ -95,10 +95,17 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
-    table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
-          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
-          f"({recipe.sweep.length_convention}'s convention))",
-          ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
+    cells = recipe_cells(recipe)
+    fixed = [cell for cell in cells if isinstance(cell, Cell)]
+    if fixed:
+        table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
+              f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio "
+              f"{recipe.sweep.range_ratio} ({recipe.sweep.length_convention}'s convention))",
+              ["isl", "osl", "concurrency"], sweep_rows(fixed))
+    agentic = [cell for cell in cells if isinstance(cell, AgenticCell)]
+    if agentic:
+        table(agentic_title(recipe), ["kv-offload", "concurrency", "cell"],
+              [[c.kv_offload.label, c.concurrency, c.cell_id] for c in agentic])
     groups = server_groups(recipe, recipe_cells(recipe))
     if len(groups) > 1:
         base = set(recipe.vllm_args)
@@ -136,6 +143,18 @@ def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
         count = "any count" if m.count is None else f"count {m.count}"
         out += [f"  {m.kind:<9} {m.id} ({count}; declared by {m.declared_by})", f"    {m.text!r}"]
     return out
+
+
+def agentic_title(recipe: Recipe) -> str:
+    """The agentic scenario in one line: trace, stop condition, AIPerf scenario, DRAM budget."""
+    scenario = recipe.sweep.agentic
+    assert scenario is not None
+    stop = (f"{scenario.duration_s} s" if scenario.duration_s is not None
+            else f"{scenario.request_count} requests")
+    dram = scenario.dram_budget_gb(recipe.parallelism.tp)
+    return (f"agentic-coding sweep (AIPerf; trace {scenario.trace.label}; {stop} per cell"
+            + (f"; scenario {scenario.aiperf_scenario}" if scenario.aiperf_scenario else "")
+            + (f"; DRAM offload budget {dram} GB" if dram else "") + ")")
 
 
 def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:

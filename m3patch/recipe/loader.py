@@ -98,7 +98,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     marker_gates = _section(data, "markers", partial(gates.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", launch.server)
     platform = _section(data, "target", served.target).platform
-    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu"))
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu", base=path.parent))
     check_lengths_fit(swept, data.get("vllm-args"))
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from m3patch.recipe.agentic import KvOffload, kv_offload_args, kv_offload_markers
 from m3patch.recipe.launch import env as parse_env
 from m3patch.recipe.launch import flatten_vllm_args
 from m3patch.schema import SchemaError, at_key, check_keys, expect_int, expect_list, expect_mapping
@@ -94,6 +95,20 @@ class ServerGroup:
     cell_ids: tuple[str, ...]
 
 
+def agentic_variant(recipe: Recipe, kv_offload: KvOffload, conc: int) -> Recipe:
+    """The recipe as an agentic cell's server needs it: InferenceX's --max-num-seqs 2 x CONC
+    (with `max-num-seqs: per-concurrency`) and the row's KV-offload arguments and markers."""
+    scenario = recipe.sweep.agentic
+    assert scenario is not None, "an agentic-coding recipe"
+    args: dict[str, Any] = dict(recipe.vllm_args_raw)
+    if scenario.max_num_seqs_per_concurrency:
+        args["max-num-seqs"] = 2 * conc
+    budget = scenario.dram_budget_gb(recipe.parallelism.tp) if kv_offload.tier == "dram" else 0
+    args.update(kv_offload_args(kv_offload, budget, recipe.parallelism.tp))
+    markers = recipe.markers + kv_offload_markers(kv_offload)
+    return replace(recipe, vllm_args=flatten_vllm_args(args), markers=markers)
+
+
 def server_variant(recipe: Recipe, isl: int, osl: int, conc: int) -> Recipe:
     """The recipe as the server for this cell needs it."""
     sweep = recipe.sweep
@@ -114,7 +129,10 @@ def server_groups(recipe: Recipe, cells: Sequence[Any]) -> tuple[ServerGroup, ..
     """Cells grouped by the server they need, groups in the order their first cell runs."""
     by_form: dict[tuple[object, ...], tuple[Recipe, list[str]]] = {}
     for cell in cells:
-        variant = server_variant(recipe, cell.seq.isl, cell.seq.osl, cell.concurrency)
+        if hasattr(cell, "kv_offload"):  # an agentic cell: its tier and concurrency decide
+            variant = agentic_variant(recipe, cell.kv_offload, cell.concurrency)
+        else:
+            variant = server_variant(recipe, cell.seq.isl, cell.seq.osl, cell.concurrency)
         key = (variant.vllm_args, variant.env)
         by_form.setdefault(key, (variant, []))[1].append(cell.cell_id)
     return tuple(ServerGroup(i, variant, tuple(ids))

@@ -28,8 +28,10 @@ from enum import Enum
 from pathlib import Path
 from types import TracebackType
 
+from m3patch.agentic.lmcache import row_servers
+from m3patch.agentic.preflight import preflight as agentic_preflight
 from m3patch.bench import spec as bench_spec
-from m3patch.bench.cells import Cell
+from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
 from m3patch.bench.runner import (
     all_finished,
@@ -48,6 +50,7 @@ from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info, table
+from m3patch.recipe.agentic import KvOffload
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -111,7 +114,7 @@ class RunPlan:
     recipe: Recipe
     run_dir: Path
     python: str
-    cells: tuple[Cell, ...]
+    cells: tuple[AnyCell, ...]
     settings: SweepSettings
     source: ServerSource
 
@@ -178,7 +181,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
     return RunPlan(recipe, run_dir, python, cells, settings, server_source(spec, run_dir, cells))
 
 
-def server_source(spec: RunSpec, run_dir: Path, cells: tuple[Cell, ...]) -> ServerSource:
+def server_source(spec: RunSpec, run_dir: Path, cells: tuple[AnyCell, ...]) -> ServerSource:
     if spec.resume and all_finished(run_dir, cells):
         return ServerSource.NONE
     return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
@@ -246,11 +249,21 @@ class RunPipeline:
             where += f"; model files on disk; launch checked by {checks[0].checked_by}"
             if len(checks) > 1:
                 where += f" ({len(checks)} server groups)"
+        scenario = self.plan.recipe.sweep.agentic
+        if scenario is not None and self.plan.source is not ServerSource.NONE:
+            # Before any server time: AIPerf at its pin, the trace offline, LMCache at its pin.
+            where += "; " + agentic_preflight(scenario, self.plan.recipe.path, self.plan.python)
         if (self.plan.recipe.eval is not None and self.plan.source is not ServerSource.NONE
                 and self.spec.command is not RunCommand.BENCH):
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
             preflight(self.plan.recipe.eval, self.plan.recipe.path)
         return StepDone(where + ")")
+
+    def _kv_offload(self, group: ServerGroup) -> KvOffload | None:
+        """The KV-offload tier of an agentic group's cells (one tier per server form)."""
+        tiers = {c.kv_offload for c in self.planned.cells
+                 if isinstance(c, AgenticCell) and c.cell_id in group.cell_ids}
+        return tiers.pop() if len(tiers) == 1 else None
 
     def groups(self) -> tuple[ServerGroup, ...]:
         """The servers this run starts: one per distinct server form among its cells."""
@@ -280,7 +293,7 @@ class RunPipeline:
         if len(groups) > 1:
             return StepDone(f"{len(groups)} server groups: the sweep step starts, gates and stops "
                             "one server per group")
-        session = self._start(groups[0].recipe, plan.run_dir)
+        session = self._start(groups[0], plan.run_dir)
         target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
         warnings = tuple(session.warnings_json())
         self.warnings += warnings
@@ -288,7 +301,17 @@ class RunPipeline:
         info(session.ready_line())
         return StepDone(session.ready_line() + warning_note(warnings), ("server.log", "serve.json"))
 
-    def _start(self, recipe: Recipe, run_dir: Path) -> ServeSession:
+    def _start(self, group: ServerGroup, run_dir: Path) -> ServeSession:
+        recipe = group.recipe
+        kv = self._kv_offload(group)
+        if kv is not None and kv.backend == "lmcache":
+            # One LMCache server per TP rank, healthy before vLLM starts; stopped after it.
+            scenario = recipe.sweep.agentic
+            assert scenario is not None
+            tp = recipe.parallelism.tp
+            logs = self._held.enter_context(row_servers(
+                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir))
+            info(f"{len(logs)} LMCache server(s) healthy (logs {run_dir})")
         return self._held.enter_context(ServeSession(
             recipe, run_dir, python=self.planned.python, port=self.spec.port,
             echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
@@ -301,7 +324,7 @@ class RunPipeline:
             cells = tuple(c for c in plan.cells if c.cell_id in group.cell_ids)
             folder = plan.run_dir / SERVERS_DIR / f"group-{group.index}"
             with self._held:
-                session = self._start(group.recipe, folder)
+                session = self._start(group, folder)
                 warnings = tuple(session.warnings_json())
                 self.warnings += warnings
                 info(f"group {group.index}/{len(groups)}: {session.ready_line()}"
