@@ -174,7 +174,8 @@ AGENTIC_RESULT_COLUMNS = ["parallelism", "kv-offload", "conc", "tok/s/GPU", "out
 
 
 def _pct(value: object) -> str:
-    return f"{value * 100:.1f}" if isinstance(value, (int, float)) else "-"
+    """A share in percent, three significant digits: a small real figure never prints as 0.0."""
+    return f"{value * 100:.3g}" if isinstance(value, (int, float)) else "-"
 
 
 def _num(value: object, spec: str = ".2f") -> str:

@@ -64,7 +64,7 @@ BYTES_PER_GB = 1_000_000_000
 SCENARIO_MIN_DURATION_S = 900
 AGENTIC_KEYS = ("scenario", "duration-s", "request-count", "warmup-request-count",
                 "aiperf-scenario", "trace", "dram-utilization", "node", "max-num-seqs",
-                "extra-inputs", "rows", "client")
+                "extra-inputs", "rows", "client", "speculative")
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ class AgenticScenario:
     max_num_seqs_per_concurrency: bool
     extra_inputs: tuple[tuple[str, Any], ...]
     client_python: str
+    speculative: tuple[tuple[str, Any], ...] = ()  # merged into the sweep servers' config only
 
     def dram_budget_gb(self, gpu_count: int) -> int:
         """InferenceX's per-server DRAM offload budget in decimal GB (0 without a dram row)."""
@@ -184,8 +185,12 @@ def agentic_scenario(raw: object, *, base: Path) -> AgenticScenario:
         check_keys(client, optional=("python",))
         with at_key("python"):
             python = expand(expect_str(client.get("python", AIPERF_PYTHON_DEFAULT)))
+    with at_key("speculative"):
+        # InferenceX measures with a synthetic acceptance length and evaluates with real
+        # verification: these keys reach the sweep's servers, never the eval's.
+        spec = tuple(expect_mapping(data.get("speculative", {})).items())
     return AgenticScenario(rows, trace, duration, requests, warmup, scenario, utilization, node,
-                           per_conc == PER_CONCURRENCY, extra, python)
+                           per_conc == PER_CONCURRENCY, extra, python, spec)
 
 
 def _row(raw: object, index: int) -> AgenticRow:

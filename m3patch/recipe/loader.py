@@ -100,6 +100,10 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     platform = _section(data, "target", served.target).platform
     swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu", base=path.parent))
     check_lengths_fit(swept, data.get("vllm-args"))
+    if swept.agentic is not None and swept.agentic.speculative and spec_json is None:
+        with at_key("sweep"), at_key("speculative"):
+            msg = "overrides a speculative config the recipe does not have (add `speculative:`)"
+            raise SchemaError(msg)
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)
     if nodes is not None:

@@ -14,6 +14,7 @@ tree and pass the marker gate before a cell is measured, which that loop cannot 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,11 @@ def agentic_variant(recipe: Recipe, kv_offload: KvOffload, conc: int) -> Recipe:
     budget = scenario.dram_budget_gb(recipe.parallelism.tp) if kv_offload.tier == "dram" else 0
     args.update(kv_offload_args(kv_offload, budget, recipe.parallelism.tp))
     markers = recipe.markers + kv_offload_markers(kv_offload)
-    return replace(recipe, vllm_args=flatten_vllm_args(args), markers=markers)
+    spec_json = recipe.speculative_json
+    if scenario.speculative and spec_json is not None:
+        spec_json = json.dumps({**json.loads(spec_json), **dict(scenario.speculative)})
+    return replace(recipe, vllm_args=flatten_vllm_args(args), markers=markers,
+                   speculative_json=spec_json)
 
 
 def server_variant(recipe: Recipe, isl: int, osl: int, conc: int) -> Recipe:

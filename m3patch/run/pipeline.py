@@ -343,6 +343,15 @@ class RunPipeline:
         return StepDone(f"{len(groups)} server groups, each gated; {measured} cell(s) measured, "
                         f"{kept} kept", ("cells", "aggregate.json", "aggregate.csv", SERVERS_DIR))
 
+    def _eval_server(self) -> ServerHandle:
+        plan = self.planned
+        group = ServerGroup(0, plan.recipe, ())
+        session = self._start(group, plan.run_dir / SERVERS_DIR / "eval")
+        info(f"eval server: {session.ready_line()}")
+        target = BenchTarget(Path(session.python), session.base_url, session.model,
+                             session.tokenizer)
+        return ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
+
     def _external(self, base_url: str) -> ServerHandle:
         plan = self.planned
         model = plan.recipe.model
@@ -355,7 +364,8 @@ class RunPipeline:
         """Sweep the cells; the server is stopped when the sweep ends, passed or not."""
         plan = self.planned
         # An eval after the sweep needs the same server: the eval step stops it then.
-        keep = self._evaluates_after_sweep() and plan.source is not ServerSource.NONE
+        keep = (self._evaluates_after_sweep() and plan.source is not ServerSource.NONE
+                and plan.recipe.sweep.agentic is None)  # agentic: the eval starts its own
         with contextlib.nullcontext() if keep else self._held:
             if plan.source is ServerSource.NONE:
                 reaggregate(plan.recipe, plan.run_dir, plan.cells)
@@ -383,9 +393,15 @@ class RunPipeline:
         """The accuracy gate on the sweep's server; the server stops when this ends."""
         plan = self.planned
         assert plan.recipe.eval is not None, "only recipes with an eval section have this step"
-        with self._held if self._evaluates_after_sweep() else contextlib.nullcontext():
+        own = self._evaluates_after_sweep() or plan.recipe.sweep.agentic is not None
+        with self._held if own else contextlib.nullcontext():
             if plan.source is ServerSource.NONE:
                 return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+            if self.server is None and plan.recipe.sweep.agentic is not None:
+                # The agentic servers ran the sweep's form (per concurrency, synthetic
+                # acceptance): the gate gets the recipe's own server, with real verification,
+                # as InferenceX's EVAL_ONLY job does.
+                self.server = self._eval_server()
             assert self.server is not None, "the serve step runs first"
             target = self.server.target
             provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)

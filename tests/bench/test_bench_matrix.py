@@ -66,7 +66,15 @@ def test_cli_over_every_shipped_recipe(capsys: pytest.CaptureFixture[str]) -> No
     assert out.count("\n") == 1  # one line, as $GITHUB_OUTPUT needs
     jobs = json.loads(out)["include"]
     assert {Path(j["recipe"]).name for j in jobs} == {Path(r).name for r in recipes}
+    agentic = [j for j in jobs if j.get("scenario-type") == "agentic-coding"]
+    # InferenceX's agentic entries: one job per concurrency, the tier and duration named.
+    mi300x = [(j["kv-offloading"], j["conc"]) for j in agentic if j["name"] == "mi300x_agentic_mtp"]
+    assert mi300x == [("none", 2), ("none", 4), ("none", 6), ("none", 8), ("none", 10), ("dram", 16)]
+    assert {j["kv-offload-backend"]["name"] for j in agentic if j["kv-offloading"] == "dram"} == {
+        "lmcache"}
     for job in jobs:
+        if job in agentic:
+            continue
         assert job["max-model-len"] == job["isl"] + job["osl"] + 256
         if job["ep"] == 1 and job["dp"] == 1 and not job["dp-attn"]:
             starts = [j["conc"] for j in jobs if j["recipe"] == job["recipe"]
