@@ -18,9 +18,11 @@ import argparse
 import os
 from pathlib import Path
 
+from m3patch.agentic.preflight import fetch_trace, require_trace, trace_missing
 from m3patch.eval import datasets
 from m3patch.output import info, table
 from m3patch.recipe import model_files
+from m3patch.recipe.agentic import AgenticScenario
 from m3patch.recipe.evals import EvalSpec
 from m3patch.recipe.loader import load_recipe
 
@@ -50,7 +52,22 @@ def run(args: argparse.Namespace) -> int:
     info(f"{recipe.path}: model files present; the offline launch can load them")
     if recipe.eval is not None:
         _eval_datasets(recipe.eval, recipe.path, fetch=args.action == "fetch")
+    if recipe.sweep.agentic is not None:
+        _trace(recipe.sweep.agentic, recipe.path, fetch=args.action == "fetch")
     return 0
+
+
+def _trace(scenario: AgenticScenario, path: Path, *, fetch: bool) -> None:
+    """The agentic scenario's trace: a hub dataset fetched (AIPerf's interpreter) and checked
+    like an eval dataset; a local file checked; a synthesized one needs nothing."""
+    trace = scenario.trace
+    if fetch and trace.kind == "public-dataset" and trace_missing(trace) is not None:
+        info(f"trace dataset fetched: {fetch_trace(trace, scenario.client_python)}")
+    problem = trace_missing(trace)
+    table("agentic trace", ["source", "state"],
+          [[trace.dataset or str(trace.path or trace.label), problem or "present"]])
+    require_trace(trace, path)
+    info(f"{path}: agentic trace {trace.label} present; the offline replay can load it")
 
 
 def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:

@@ -240,6 +240,10 @@ class RunPipeline:
         self.plan = plan_run(self.spec)
         self.plan.run_dir.mkdir(parents=True, exist_ok=True)
         where = f"{self.plan.recipe.name} (series {self.plan.recipe.series_dir}"
+        scenario = self.plan.recipe.sweep.agentic
+        if scenario is not None and self.plan.source is not ServerSource.NONE:
+            # First, being cheap: AIPerf at its pin, the trace offline, LMCache at its pin.
+            where += "; " + agentic_preflight(scenario, self.plan.recipe.path, self.plan.python)
         if self.plan.source is ServerSource.LAUNCHED:
             # Before apply-verify: a node without the weights fails here with the tree untouched.
             require_present(self.plan.recipe)
@@ -249,10 +253,6 @@ class RunPipeline:
             where += f"; model files on disk; launch checked by {checks[0].checked_by}"
             if len(checks) > 1:
                 where += f" ({len(checks)} server groups)"
-        scenario = self.plan.recipe.sweep.agentic
-        if scenario is not None and self.plan.source is not ServerSource.NONE:
-            # Before any server time: AIPerf at its pin, the trace offline, LMCache at its pin.
-            where += "; " + agentic_preflight(scenario, self.plan.recipe.path, self.plan.python)
         if (self.plan.recipe.eval is not None and self.plan.source is not ServerSource.NONE
                 and self.spec.command is not RunCommand.BENCH):
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
