@@ -14,7 +14,7 @@ set -euo pipefail
 
 VENV="${1:-${M3PATCH_AIPERF_VENV:-$HOME/.cache/m3patch/aiperf-venv}}"
 PYTHON="${PYTHON:-python3}"
-AIPERF_VERSION='0.13.0'   # m3patch.agentic.aiperf.AIPERF_VERSION: the export it scores
+AIPERF_VERSION='0.13.0'   # m3patch.bench.agentic.aiperf.AIPERF_VERSION: the export it scores
 
 log() { printf 'setup_aiperf: %s\n' "$*" >&2; }
 

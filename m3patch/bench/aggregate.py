@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from m3patch.agentic.results import ROW_FIELDS as AGENTIC_FIELDS
-from m3patch.agentic.results import agentic_row, is_agentic, read_agentic_cell
+from m3patch.bench.agentic.results import ROW_FIELDS as AGENTIC_FIELDS
+from m3patch.bench.agentic.results import agentic_row, is_agentic, read_agentic_cell
 from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
     FIX_HINT,

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from m3patch.agentic.aiperf import AgenticTarget
-from m3patch.agentic.results import finished as agentic_finished
-from m3patch.agentic.sweep import run_agentic_sweep
 from m3patch.bench import spec
+from m3patch.bench.agentic.aiperf import AgenticTarget
+from m3patch.bench.agentic.results import finished as agentic_finished
+from m3patch.bench.agentic.sweep import run_agentic_sweep
 from m3patch.bench.aggregate import (
     CELLS_DIR,
     cell_files,

@@ -18,7 +18,7 @@ import argparse
 import os
 from pathlib import Path
 
-from m3patch.agentic.preflight import fetch_trace, require_trace, trace_missing
+from m3patch.bench.agentic.preflight import fetch_trace, require_trace, trace_missing
 from m3patch.eval import datasets
 from m3patch.output import info, table
 from m3patch.recipe import model_files

@@ -24,7 +24,7 @@ The DRAM budget of a `dram` row is computed as InferenceX's matrix generator doe
 DRAM (capped at 3 TB decimal), times dram-utilization, times the share of the node's GPUs the
 server uses, in decimal GB, rounded down. LMCache splits it evenly over the TP ranks.
 Pure: validated into frozen values; the client, the LMCache servers and the scoring live in
-m3patch.agentic.
+m3patch.bench.agentic.
 """
 
 from __future__ import annotations

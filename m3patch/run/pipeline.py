@@ -28,9 +28,9 @@ from enum import Enum
 from pathlib import Path
 from types import TracebackType
 
-from m3patch.agentic.lmcache import row_servers
-from m3patch.agentic.preflight import preflight as agentic_preflight
 from m3patch.bench import spec as bench_spec
+from m3patch.bench.agentic.lmcache import row_servers
+from m3patch.bench.agentic.preflight import preflight as agentic_preflight
 from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
 from m3patch.bench.runner import (

@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from m3patch.agentic.aiperf import check_client
-from m3patch.agentic.lmcache import check_lmcache
+from m3patch.bench.agentic.aiperf import check_client
+from m3patch.bench.agentic.lmcache import check_lmcache
 from m3patch.errors import AgenticClientError, ModelMissing
 from m3patch.recipe.agentic import AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache

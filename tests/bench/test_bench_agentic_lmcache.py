@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from m3patch.agentic.lmcache import ShardPlan, check_lmcache, plan_shards, servers, shard_gb
-from m3patch.agentic.preflight import require_trace, trace_missing
+from m3patch.bench.agentic.lmcache import ShardPlan, check_lmcache, plan_shards, servers, shard_gb
+from m3patch.bench.agentic.preflight import require_trace, trace_missing
 from m3patch.errors import KvOffloadError, ModelMissing
 from m3patch.recipe.agentic import TraceSource
 from m3patch.serving.processes import live_processes
@@ -98,12 +98,12 @@ def test_a_shard_that_fails_its_health_check_stops_the_whole_set(
 
 
 def test_the_installed_version_must_be_the_pin(tmp_path: Path) -> None:
-    with pytest.raises(KvOffloadError, match="no LMCache installed; the recipe pins LMCache 0.5.3"):
+    with pytest.raises(KvOffloadError, match=r"no LMCache installed; the recipe pins LMCache 0\.5\.3"):
         check_lmcache(sys.executable, "0.5.3")
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 0.5.2\n")
     fake.chmod(0o755)
-    with pytest.raises(KvOffloadError, match="LMCache 0.5.2 installed; the recipe pins"):
+    with pytest.raises(KvOffloadError, match=r"LMCache 0\.5\.2 installed; the recipe pins"):
         check_lmcache(str(fake), "0.5.3")
     fake.write_text("#!/bin/sh\necho 0.5.3\n")
     check_lmcache(str(fake), "0.5.3")
@@ -119,5 +119,5 @@ def test_the_trace_dataset_must_be_in_the_hub_cache(tmp_path: Path) -> None:
     (snapshot / "traces.parquet").write_bytes(b"x")
     assert trace_missing(trace, env) is None
     missing_file = TraceSource("file", path=tmp_path / "absent.jsonl", loader="mooncake_trace")
-    with pytest.raises(ModelMissing, match="absent.jsonl does not exist"):
+    with pytest.raises(ModelMissing, match=r"absent\.jsonl does not exist"):
         require_trace(missing_file, tmp_path / "r.yaml")

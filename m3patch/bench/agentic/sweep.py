@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from m3patch.agentic import metrics as scrape
-from m3patch.agentic.aiperf import AgenticTarget, aiperf_argv, check_client, client_env
-from m3patch.agentic.results import cell_document, finished
-from m3patch.agentic.scoring import score
+from m3patch.bench.agentic import metrics as scrape
+from m3patch.bench.agentic.aiperf import AgenticTarget, aiperf_argv, check_client, client_env
+from m3patch.bench.agentic.results import cell_document, finished
+from m3patch.bench.agentic.scoring import score
 from m3patch.bench.aggregate import CELLS_DIR, write_aggregate
 from m3patch.bench.cells import AgenticCell
 from m3patch.bench.client import log_tail, run_client

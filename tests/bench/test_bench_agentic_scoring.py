@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from m3patch.agentic import metrics
-from m3patch.agentic.results import cell_document, check_fields, read_agentic_cell
-from m3patch.agentic.scoring import percentile, score
+from m3patch.bench.agentic import metrics
+from m3patch.bench.agentic.results import cell_document, check_fields, read_agentic_cell
+from m3patch.bench.agentic.scoring import percentile, score
 from m3patch.bench.aggregate import load_aggregate, table_of, write_aggregate
 from m3patch.bench.cells import AgenticCell, Parallelism
 from m3patch.bench.compare import compare_rows
