@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m3patch.bench.cells import AgenticCell
-from m3patch.errors import AgenticClientError
+from m3patch.errors import AgenticClientError, M3PatchError
 from m3patch.recipe.agentic import AgenticScenario, TraceSource
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 
@@ -103,16 +103,21 @@ def check_client(python: str) -> str:
     if not Path(python).is_file() or not binary.is_file():
         msg = f"AIPerf is not installed: no {binary} (the agentic client runs from its own venv)"
         raise AgenticClientError(msg, hint=SETUP_HINT)
-    probe = "import importlib.metadata as m; print(m.version('aiperf'))"
+    version = installed_version(python, "aiperf", AgenticClientError, SETUP_HINT)
+    if version != AIPERF_VERSION:
+        msg = (f"{python}: AIPerf {version or 'nothing'} installed; m3patch scores AIPerf "
+               f"{AIPERF_VERSION}'s export")
+        raise AgenticClientError(msg, hint=SETUP_HINT)
+    return version
+
+
+def installed_version(python: str, dist: str, error: type[M3PatchError], hint: str) -> str | None:
+    """The version of `dist` that `python` has installed, or None; `error` when it cannot say."""
+    probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
     try:
         done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
                               timeout=VERSION_PROBE_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        msg = f"{python}: cannot read AIPerf's version: {exc}"
-        raise AgenticClientError(msg, hint=SETUP_HINT) from None
-    version = done.stdout.strip()
-    if done.returncode != 0 or version != AIPERF_VERSION:
-        got = version or done.stderr.strip().splitlines()[-1:] or "nothing"
-        msg = f"{python}: AIPerf {got} installed; m3patch scores AIPerf {AIPERF_VERSION}'s export"
-        raise AgenticClientError(msg, hint=SETUP_HINT)
-    return version
+        msg = f"{python}: cannot read {dist}'s version: {exc}"
+        raise error(msg, hint=hint) from None
+    return done.stdout.strip() or None if done.returncode == 0 else None

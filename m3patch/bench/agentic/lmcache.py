@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from m3patch.bench.agentic.aiperf import installed_version
 from m3patch.errors import KvOffloadError
 from m3patch.recipe.agentic import (
     LMCACHE_HOST,
@@ -32,7 +33,6 @@ from m3patch.recipe.agentic import (
 )
 from m3patch.serving.processes import StopRung, start_group, stop_group
 
-VERSION_PROBE_S = 60.0
 HEALTH_DEADLINE_S = 600.0  # InferenceX: wait_for_ready --timeout 600 per shard
 HEALTH_POLL_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
@@ -91,14 +91,7 @@ def lmcache_binary(python: str) -> str:
 
 def check_lmcache(python: str, version: str) -> None:
     """The serving interpreter's lmcache is exactly `version` (the recipe's pin)."""
-    probe = "import importlib.metadata as m; print(m.version('lmcache'))"
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
-                              timeout=VERSION_PROBE_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        msg = f"{python}: cannot read LMCache's version: {exc}"
-        raise KvOffloadError(msg, hint=INSTALL_HINT) from None
-    installed = done.stdout.strip() if done.returncode == 0 else None
+    installed = installed_version(python, "lmcache", KvOffloadError, INSTALL_HINT)
     if installed != version:
         found = f"LMCache {installed}" if installed else "no LMCache"
         msg = f"{python}: {found} installed; the recipe pins LMCache {version}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from m3patch.bench.agentic.aiperf import check_client
 from m3patch.bench.agentic.lmcache import check_lmcache
 from m3patch.errors import AgenticClientError, ModelMissing
+from m3patch.eval.datasets import dataset_folder
 from m3patch.recipe.agentic import AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache
 
@@ -24,10 +25,6 @@ FETCH_TIMEOUT_S = 3600
 FETCH_SCRIPT = ("import sys; from huggingface_hub import snapshot_download; "
                 "print(snapshot_download(sys.argv[1], repo_type='dataset', "
                 "revision=sys.argv[2] or None))")
-
-
-def dataset_folder(cache: Path, dataset: str) -> Path:
-    return cache / ("datasets--" + dataset.replace("/", "--"))
 
 
 def trace_missing(trace: TraceSource, env: Mapping[str, str] | None = None) -> str | None:
