@@ -25,7 +25,7 @@ ARCH = "(APIServer pid=5) INFO 11-29 10:01:30 [model.py:733] Resolved architectu
 
 def test_validate_all_shipped_recipes(m3patch_cli: Cli) -> None:
     files = sorted(str(p) for p in (REPO / "recipes").glob("*.yaml"))
-    result = m3patch_cli("recipe", "validate", *files)
+    result = m3patch_cli("recipe", "validate", *files, timeout=300)  # the marker lint of each
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(": ok") == len(files)
 
