@@ -70,6 +70,13 @@ def test_launcher_splits_gemm1_only() -> None:
     assert effective_split(TileConfig(16, 64, 64, 1, 4, 3, 24), 6144, 64) == 24
 
 
+def test_no_split_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ROCm torch build times a split config unsplit, as patched vLLM runs it there."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert effective_split(TileConfig(16, 64, 128, 1, 4, 3, 8), 6144, 128) == 1
+
+
 class _Sized:
     def __init__(self, *dims: int) -> None:
         self.dims = dims
