@@ -109,6 +109,22 @@ def _json_keys(actions: list[argparse.Action]) -> dict[str, list[str]]:
     return out
 
 
+def _vllm_files(init_file: str) -> list[str]:
+    """The tree's files this answer came from (paths below the package): the caller keys its
+    cache on their contents, so a series that patches none of them keeps the answer."""
+    from pathlib import Path
+
+    package = Path(init_file).resolve().parent
+    out = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            real = Path(path).resolve()
+            if package in real.parents:
+                out.add(real.relative_to(package).as_posix())
+    return sorted(out)
+
+
 def _say(result: dict[str, Any]) -> None:
     sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
     sys.stdout.flush()
@@ -142,6 +158,7 @@ def main() -> None:
         result["unknown_keys"] = [] if namespace is None else _unknown_keys(namespace, actions, argv)
     if request.get("spec"):
         result["json_keys"] = _json_keys(actions)
+    result["vllm_files"] = _vllm_files(vllm.__file__)
     _say(result)
 
 

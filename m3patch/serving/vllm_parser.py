@@ -30,13 +30,13 @@ import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from m3patch.errors import LaunchRejected, M3PatchError, UsageError, VersionMismatch, VllmNotFound
 from m3patch.fsio import parse_json, read_json, write_json_atomic
 from m3patch.output import info, warn
-from m3patch.patching.ledger import digest, ledger_path
+from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, check_target, find_vllm
 from m3patch.patching.pristine import cache_root, cached_file
 from m3patch.patching.series import Series, load_series
@@ -331,38 +331,67 @@ def cached_actions(python: str, version: str) -> ParserActions | None:
 
 
 def verdict_key(python: str, tree: VllmTree, argv: list[str], env: Mapping[str, str]) -> str:
-    """What the probe's answer depends on: the interpreter, the tree it imports (version,
-    commit, and the ledger, which changes whenever a series rewrites files), the argv and the
-    VLLM_* environment. Any change asks vLLM's parser again."""
-    ledger = _read_or_none(ledger_path(tree.root)) or b""
+    """Which launch was asked: the interpreter, the tree it imports (root, version, commit),
+    the argv and the VLLM_* environment. The tree's code the answer came from is checked
+    separately (`_files_unchanged`)."""
     # The port is the recipe's checked 1-65535 integer (or a free one a test picked): the same
     # launch on another port gets the same answer.
     keyed = [("<port>" if i and argv[i - 1] == "--port" else a) for i, a in enumerate(argv)]
     parts = [os.path.realpath(python), str(tree.root.resolve()), tree.version, tree.commit or "",
-             hashlib.sha256(ledger).hexdigest(), json.dumps(keyed),
+             json.dumps(keyed),
              json.dumps(sorted((k, v) for k, v in env.items() if k.startswith("VLLM_")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _file_hashes(tree: VllmTree, files: object) -> dict[str, str] | None:
+    """sha256 of each of the tree's files the probe imported (paths below vllm/, checked like
+    hostile input); None when a path is not one or a file is gone."""
+    if not isinstance(files, list) or not files:
+        return None
+    out = {}
+    for rel in files:
+        parts = PurePosixPath(rel).parts if isinstance(rel, str) else ("..",)
+        if not parts or rel.startswith("/") or ".." in parts:
+            return None
+        data = _read_or_none(tree.package_dir / rel)
+        if data is None:
+            return None
+        out[rel] = digest(data)
+    return out
+
+
+def _cached_verdict(path: Path, tree: VllmTree) -> dict[str, Any] | None:
+    """A verdict cached for this launch, when every tree file it came from is unchanged."""
+    if not path.is_file():
+        return None
+    try:
+        entry = read_json(path, error=LaunchRejected, hint=f"delete {path}", expect=dict)
+        dump, files = entry.get("dump"), entry.get("files")
+        actions_from_dump(dump, str(path))
+    except LaunchRejected:
+        return None  # a bad cache entry is asked again and overwritten
+    if not isinstance(files, dict) or _file_hashes(tree, list(files)) != files:
+        return None
+    cached: dict[str, Any] = dump
+    return cached
 
 
 def probe_once(python: str, tree: VllmTree, argv: list[str],
                env: Mapping[str, str]) -> dict[str, Any]:
     """The probe's answer for this exact launch, from the verdict cache when the same launch
-    was asked of the same tree before: importing vLLM costs 10-40 s per serve on a 2-core
-    host, and a sweep restarts the same launch for every run. The cached answer is validated
-    like the probe's own before use."""
+    was asked of the same tree before and none of the files vLLM's parser was built from has
+    changed since (a series that patches none of them keeps the answer: the launch after the
+    first apply asks nothing): importing vLLM costs 10-60 s per serve on a 2-core host. The
+    cached answer is validated like the probe's own before use."""
     path = cache_root() / "vllm-cli" / "verdicts" / f"{verdict_key(python, tree, argv, env)}.json"
-    if path.is_file():
-        try:
-            cached: dict[str, Any] = read_json(path, error=LaunchRejected, hint=f"delete {path}",
-                                               expect=dict)
-            actions_from_dump(cached, str(path))
-            return cached
-        except LaunchRejected:
-            pass  # a bad cache entry is asked again and overwritten
+    cached = _cached_verdict(path, tree)
+    if cached is not None:
+        return cached
     dump = run_probe(python, argv, env)
-    if not isinstance(dump.get("no_vllm"), str):
+    files = _file_hashes(tree, dump.get("vllm_files"))
+    if not isinstance(dump.get("no_vllm"), str) and files is not None:
         try:
-            write_json_atomic(path, dump)
+            write_json_atomic(path, {"files": files, "dump": dump})
         except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
             warn(f"could not cache vLLM's parser answer: {exc.message}")
     return dump

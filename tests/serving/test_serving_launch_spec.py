@@ -265,3 +265,42 @@ def test_vllm_that_fails_to_import_is_24_not_a_silent_fallback(tmp_path: Path,
     with pytest.raises(LaunchRejected, match="has vLLM, but importing it fails") as caught:
         vp.check_launch(recipe, str(python), {})
     assert "torch" in str(caught.value) and caught.value.exit_code == 24
+
+
+# ---- the verdict cache: keyed by the launch, kept while the parser's files are unchanged -------
+
+def test_a_verdict_is_kept_until_a_file_the_parser_came_from_changes(
+        tmp_path: Path, vllm_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe itself is replaced here (its real run: test_serving_vllm_parser.py); what is
+    # under test is which tree changes make the cached answer stale.
+    from m3patch.patching.locate import tree_at
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    asked: list[int] = []
+
+    def probe(python: str, argv: list[str] | None, env: object) -> dict[str, object]:
+        asked.append(1)
+        return {"vllm_version": "0.33.0", "actions": [], "parse_error": None, "unknown_keys": [],
+                "vllm_files": ["__init__.py", "envs.py"]}
+
+    monkeypatch.setattr(vp, "run_probe", probe)
+    tree = tree_at(vllm_tree)
+    argv = ["model", "--port", "8000"]
+    vp.probe_once("/venv/bin/python", tree, argv, {})
+    vp.probe_once("/venv/bin/python", tree, ["model", "--port", "9000"], {})
+    assert len(asked) == 1  # the same launch (another port): answered from the cache
+    (vllm_tree / "vllm" / "config" / "cache.py").unlink()  # not a file the parser came from
+    (vllm_tree / "vllm" / "config" / "cache.py").write_text("# replaced\n")
+    vp.probe_once("/venv/bin/python", tree, argv, {})
+    assert len(asked) == 1
+    envs = vllm_tree / "vllm" / "envs.py"
+    data = envs.read_bytes()
+    envs.unlink()  # a hard-linked copy of the cache: never write through the link
+    envs.write_bytes(data + b"\n# patched\n")
+    vp.probe_once("/venv/bin/python", tree, argv, {})
+    assert len(asked) == 2  # a file it came from changed: asked again
+    for entry in (tmp_path / "cache").rglob("verdicts/*.json"):  # hostile entry: asked again
+        entry.write_text(json.dumps({"files": {"../../etc/passwd": "0" * 64},
+                                     "dump": {"vllm_version": "0.33.0", "actions": []}}))
+    vp.probe_once("/venv/bin/python", tree, argv, {})
+    assert len(asked) == 3
