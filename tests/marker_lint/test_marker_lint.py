@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_helpers import CliRunner
+from core_helpers import CliRunner, recipe_variant
 
 from m3patch.marker_lint.cache import CACHE_SCHEMA, _read_cache, file_digests, tree_files, tree_key
 from m3patch.marker_lint.check import lint_all, recipe_tree
@@ -202,13 +202,7 @@ def test_lint_never_downloads_when_the_recipes_venv_is_there(tmp_path: Path, cpu
         raise AssertionError(f"downloaded {dist}=={version}")
 
     monkeypatch.setattr(pristine, "download_wheel", no_download)
-    src = REPO / "recipes" / "cpu_tiny_moe.yaml"
-    data = yaml.safe_load(src.read_text())
-    data["series"] = str((src.parent / data["series"]).resolve())
-    data["target"]["python"] = str(cpu_venv / "bin" / "python")
-    data["model"]["source"] = str(tmp_path)
-    path = tmp_path / "cpu.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path = recipe_variant(tmp_path, str(cpu_venv / "bin" / "python"))
     root = recipe_tree(load_recipe(path), download=True)
     assert root is not None and (root / "vllm" / "envs.py").is_file()
     assert str(root).startswith(str(cpu_venv))

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from core_helpers import recipe_variant
 
 from m3patch.errors import LaunchRejected, UsageError
 from m3patch.patching.series import load_series
@@ -33,20 +33,9 @@ NO_PYTHON = "/nonexistent/python"
 def gpu_variant(tmp_path: Path, vllm_args: dict[str, object] | None = None,
                 env: dict[str, str] | None = None, base: str = "mi300x_tp8",
                 extra: dict[str, object] | None = None) -> Path:
-    """A shipped GPU recipe with edits, its series and model made absolute, no interpreter."""
-    src = REPO / "recipes" / f"{base}.yaml"
-    data = yaml.safe_load(src.read_text())
-    data["series"] = str((src.parent / data["series"]).resolve())
-    data["target"]["python"] = NO_PYTHON
-    data["model"]["source"] = str(tmp_path)  # a local folder: nothing is fetched or checked
-    if base == "mi300x_tp8":
-        data.pop("speculative", None)
-    data["vllm-args"].update(vllm_args or {})
-    data.setdefault("env", {}).update(env or {})
-    data.update(extra or {})
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    """A shipped GPU recipe with edits and no interpreter (core_helpers.recipe_variant)."""
+    return recipe_variant(tmp_path, NO_PYTHON, vllm_args, env, REPO / "recipes" / f"{base}.yaml",
+                          extra)
 
 
 # ---- the spec ships with each series and is pinned ---------------------------------------------
@@ -137,14 +126,7 @@ def test_unknown_speculative_key_is_refused_off_the_node(tmp_path: Path) -> None
 
 def test_validate_and_dry_run_agree_on_a_cpu_recipe_env_typo(tmp_path: Path,
                                                             m3patch_cli: object) -> None:
-    src = REPO / "recipes" / "cpu_tiny_moe.yaml"
-    data = yaml.safe_load(src.read_text())
-    data["series"] = str((src.parent / data["series"]).resolve())
-    data["target"]["python"] = NO_PYTHON
-    data["model"]["source"] = str(tmp_path)
-    data["env"] = {"VLLM_CPU_KV_CACHE_SPACE": "1"}
-    path = tmp_path / "cpu.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path = recipe_variant(tmp_path, NO_PYTHON, env={"VLLM_CPU_KV_CACHE_SPACE": "1"})
     want = "env.VLLM_CPU_KV_CACHE_SPACE: vLLM 0.32.0 has no such variable"
     for args in (("recipe", "validate", "--no-lint-markers", str(path)),
                  ("serve", str(path), "--dry-run")):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from core_helpers import recipe_variant
 
 from m3patch.errors import LaunchRejected
 from m3patch.recipe.loader import load_recipe
@@ -36,16 +37,7 @@ def actions(cpu_python: str) -> vp.ParserActions:
 def variant(tmp_path: Path, python: str, vllm_args: dict[str, object] | None = None,
             env: dict[str, str] | None = None, base: Path = CPU_RECIPE,
             extra: dict[str, object] | None = None) -> Path:
-    data = yaml.safe_load(base.read_text())
-    data["series"] = str((base.parent / data["series"]).resolve())
-    data["target"]["python"] = python
-    data["model"]["source"] = str(tmp_path)  # a local folder: nothing is fetched or checked
-    data["vllm-args"].update(vllm_args or {})
-    data.setdefault("env", {}).update(env or {})
-    data.update(extra or {})
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    return recipe_variant(tmp_path, python, vllm_args, env, base, extra)
 
 
 def test_parser_dump_is_vllm_0_32s_serve_parser(actions: vp.ParserActions) -> None:
