@@ -286,3 +286,19 @@ def test_a_verdict_is_kept_until_a_file_the_parser_came_from_changes(
                                      "dump": {"vllm_version": "0.33.0", "actions": []}}))
     vp.probe_once("/venv/bin/python", tree, argv, {})
     assert len(asked) == 3
+
+
+def test_a_relock_keeps_the_pinned_spec_and_refuses_an_edited_one(tmp_path: Path,
+                                                                  pristine_033: Path) -> None:
+    from m3patch.main import main
+
+    copy = shutil.copytree(PATCHES / "vllm-0.33.0", tmp_path / "series")
+    pinned = json.loads((copy / "series.lock.json").read_text())["cli-spec"]
+    assert main(["series", "lock", "--series", str(copy), "--tree", str(pristine_033)]) == 0
+    assert json.loads((copy / "series.lock.json").read_text())["cli-spec"] == pinned
+    spec = copy / "vllm-cli.json"
+    spec.write_text(spec.read_text().replace('"--async-scheduling"', '"--async-schedulng"', 1))
+    assert main(["series", "lock", "--series", str(copy), "--tree", str(pristine_033)]) == 2
+    assert main(["series", "lock", "--series", str(copy), "--tree", str(pristine_033),
+                 "--no-cli-spec"]) == 0
+    assert "cli-spec" not in json.loads((copy / "series.lock.json").read_text())
