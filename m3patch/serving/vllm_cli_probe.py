@@ -1,11 +1,14 @@
 """Run by the TARGET interpreter (never imported by m3patch): vLLM's own `vllm serve` parser.
 
 `m3patch.serving.vllm_parser` passes this file's text to `python -c` with a JSON request on
-stdin: {"argv": [...]} (the arguments after `vllm serve`). It builds the parser exactly as
-`vllm serve` does (`make_arg_parser` on a `FlexibleArgumentParser`), dumps its actions, and
-parses the argv without abbreviations, turning argparse's exit into a message. Nothing here
-starts an engine or touches a device: only the CLI modules are imported. It depends on the
-standard library and vLLM only, and prints one line `M3PATCH_PROBE_JSON: {...}` on stdout
+stdin: {"argv": [...], "spec": bool} (the arguments after `vllm serve`). It builds the parser
+exactly as `vllm serve` does (`make_arg_parser` on a `FlexibleArgumentParser`), dumps its
+actions (every option string the parser accepts, hidden ones included) and the vLLM files it was
+built from, and parses the argv without abbreviations, turning argparse's exit into a message;
+with "spec", also each JSON option's config-class keys (the series' launch spec). `import vllm`
+failing for want of vllm itself is "no_vllm"; failing for any other reason is "import_error".
+Nothing here starts an engine or touches a device: only the CLI modules are imported. It depends
+on the standard library and vLLM only, and prints one line `M3PATCH_PROBE_JSON: {...}` on stdout
 (vLLM may log to stdout too).
 """
 

@@ -14,11 +14,13 @@ prefix (vLLM's parser allows abbreviations: `max-num-batched-token` becomes
 (the parser's BooleanOptionalAction actions say which do), and unknown keys inside a JSON option
 whose config class vLLM only builds when the engine starts (`--speculative-config`).
 
-The parser's actions are cached per interpreter and vLLM version (`cached_actions`), so
-read-only commands can use them without starting the interpreter.
+Where the launch interpreter is absent (`recipe validate` always; a laptop, CI, a login node)
+the series' launch spec answers the same questions (serving.cli_spec: vLLM's own parser dumped
+from the pristine tree at `series lock --cli-spec`, pinned in the lock). The probe's answers are
+cached per launch and kept while the vLLM files the parser was built from are unchanged.
 
-Pure: `argv_sources`, `argv_findings`, `env_findings`, `known_env_vars`. Effects: `run_probe`
-(spawns), the cache (through fsio), `check_launch`.
+Pure: `argv_sources`, `argv_findings`, `spec_key_findings`, `env_findings`. Effects: `run_probe`
+(spawns), `generate_spec`, `series_spec` (reads), the caches (through fsio), `check_launch`.
 """
 
 from __future__ import annotations
