@@ -9,7 +9,8 @@ interpreter, start-up and imports included):
   model         the model files on disk (`recipe.model_files.require_present`)
   launch-check  the one launch check: switches, then vLLM's own parser in the target interpreter
                 (`serving.vllm_parser.check_launch`; a cached verdict when warm)
-  apply-verify  the series applied (idempotent) and verified (`serving.launch_plan.ensure_tree`)
+  apply-verify  the series applied (idempotent) and verified (`serving.launch_plan.ensure_tree`,
+                on the tree the launch check located, as the run pipeline does)
 The serve path runs no marker lint (that is `series lock`, `recipe validate`, `markers lint`).
 
 "cold" = an empty M3PATCH_CACHE and a tree with no series applied (reverted first); "warm" =
@@ -51,7 +52,7 @@ recipe = step("recipe", lambda: load_recipe(Path(sys.argv[1])))
 python = recipe.target.python
 step("model", lambda: require_present(recipe))
 check = step("launch-check", lambda: check_launch(recipe, python))
-step("apply-verify", lambda: ensure_tree(recipe, python))
+step("apply-verify", lambda: ensure_tree(recipe, python, check.tree))
 out["checked_by"] = check.checked_by.replace(python, "VENV/bin/python")
 print("BENCH " + json.dumps(out))
 """

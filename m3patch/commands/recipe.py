@@ -87,7 +87,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     # Every server form the sweep starts (one per server group) goes through vLLM's parser.
     checked = None
     for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
-        checked = check_launch(group.recipe, interpreter, plan.spec.env, other_vllm=other_vllm)
+        checked = check_launch(group.recipe, interpreter, plan.spec.env, other_vllm=other_vllm,
+                               located=checked.tree if checked is not None else None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     if recipe.topology is not None:

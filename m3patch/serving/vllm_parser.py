@@ -83,6 +83,7 @@ class ArgSource:
 class LaunchCheck:
     checked_by: str  # what checked the launch, for the dry-run's header line
     vllm_parser: bool  # False: no target interpreter with vLLM here; static checks only
+    tree: VllmTree | None = None  # the tree whose parser answered: apply-verify patches this one
 
 
 # ---- pure ----------------------------------------------------------------------------------
@@ -471,17 +472,19 @@ def _version_gate(tree: VllmTree, series: Series, python: str, other_vllm: bool)
 
 
 def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = None, *,
-                 spawn: bool = True, other_vllm: bool = False) -> LaunchCheck:
+                 spawn: bool = True, other_vllm: bool = False,
+                 located: VllmTree | None = None) -> LaunchCheck:
     """The one launch check of `recipe validate`, `serve --dry-run` and every preflight:
     m3patch's own switches, then vLLM's own parser in `python` when it imports the series'
     target vLLM (`spawn`), else the series' shipped spec. LaunchRejected (24) naming every bad
     recipe key; VersionMismatch (4) when `python`'s vLLM is not the target (`other_vllm`:
-    warn, and check with its parser and the spec both)."""
+    warn, and check with its parser and the spec both). `located`: the tree an earlier check
+    of the same interpreter found (one locate per run)."""
     env = dict(os.environ) if env is None else env
     series = load_series(recipe.series_dir)
     spec = series_spec(series)
     findings = switch_findings(recipe.env, env, series.switches)
-    tree, why = _target_tree(python) if spawn else (None, "")
+    tree, why = (None, "") if not spawn else (located, "") if located else _target_tree(python)
     dump: dict[str, Any] = {}
     if tree is not None:
         _version_gate(tree, series, python, other_vllm)
@@ -498,7 +501,8 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
         return LaunchCheck(checked_by + (f"; {why}" if why else ""), vllm_parser=False)
     findings += _probe_findings(recipe, python, tree, dump)
     _refuse(recipe, findings)
-    return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True)
+    return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True,
+                       tree=tree)
 
 
 def _probe_findings(recipe: Recipe, python: str, tree: VllmTree,
