@@ -34,7 +34,7 @@ log "stage 2: tune --check on the shipped tables"
 python3 - <<'EOF'
 import sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/measure/h200")
 from patch_payload import new_file_from_patch
 patch = Path("patches/vllm-0.33.0/0005-tuned-tables-h200.patch").read_text()
 prefix = "vllm/model_executor/layers/fused_moe/configs/m3patch/"
