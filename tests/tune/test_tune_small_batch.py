@@ -1,7 +1,7 @@
 """The small-batch split-K decision logic on the recorded H200 runs (CPU only).
 
 Fixtures are the committed device outputs in docs/results/tune-h200/small-batch/: call1's
-sweep (scripts/small_batch_h200.py), call2's two `tune --check` runs of the candidate table,
+sweep (scripts/measure/h200/small_batch_h200.py), call2's two `tune --check` runs of the candidate table,
 call3's bench of the shipped tables.
 """
 
@@ -167,9 +167,9 @@ def test_no_recorded_batch_reached_the_target() -> None:
 
 def test_shipped_table_is_what_the_ship_step_makes(tmp_path: Path) -> None:
     """docs/results/tune-h200/tables (what patch 0005 ships) is reproduced byte for byte by
-    scripts/ship_small_batch.py from the judged tables, call1's run and call2's checks."""
+    scripts/maintain/ship_small_batch.py from the judged tables, call1's run and call2's checks."""
     out = tmp_path / "tables"
-    subprocess.run([sys.executable, str(REPO / "scripts/ship_small_batch.py"),
+    subprocess.run([sys.executable, str(REPO / "scripts/maintain/ship_small_batch.py"),
                     "--tables", "docs/results/tune-h200/judged-tables",
                     "--run", "docs/results/tune-h200/small-batch/call1/small-batch.json",
                     "--check", "docs/results/tune-h200/small-batch/call2/check-tp8-run1.json",

@@ -3,7 +3,7 @@
 Thirty-two two-operand sums with exact integer answers, from a fixed seed, so the file is the
 same on every run (the committed copy is what lm-eval reads; rerun only to change the set):
 
-    python3 scripts/make_tiny_arith.py
+    python3 scripts/setup/make_tiny_arith.py
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "recipes" / "evals" / "tiny_arith" / "tiny_arith.json"
+OUT = Path(__file__).resolve().parents[2] / "recipes" / "evals" / "tiny_arith" / "tiny_arith.json"
 COUNT = 32
 SEED = 20261201
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The device command that checks split-K candidate tables and measures the small-batch bounds
 # (one H200, torch+triton, no vLLM, no network), from the repo root on the device, OUT set:
-#   bash scripts/small_batch_confirm_h200.sh TABLES [CARRY] [PRISTINE]
-# TABLES holds the candidate TP8 table (scripts/ship_small_batch.py); CARRY (default .devcarry)
+#   bash scripts/measure/h200/small_batch_confirm_h200.sh TABLES [CARRY] [PRISTINE]
+# TABLES holds the candidate TP8 table (scripts/maintain/ship_small_batch.py); CARRY (default .devcarry)
 # the tree with patch 0007 applied to fused_moe.py, PRISTINE (default .devcarry/pristine) vLLM
 # 0.33.0's unpatched fused_moe.py tree.
 #  1. the split-K numerics test (tests/payloads/test_payload_moe_split_k.py, -m gpu);
 #  2. `m3patch tune --check` of the candidate TP8 table, twice (two independent processes);
-#  3. scripts/small_batch_h200.py --bounds: launch and read floors, GEMM1/GEMM2 apart.
+#  3. scripts/measure/h200/small_batch_h200.py --bounds: launch and read floors, GEMM1/GEMM2 apart.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/small-batch-confirm-out}
@@ -32,7 +32,7 @@ for run in 1 2; do
 done
 
 log "stage 3: bounds"
-python3 scripts/small_batch_h200.py --bounds --vllm-source "$CARRY" --tables "$TABLES" \
+python3 scripts/measure/h200/small_batch_h200.py --bounds --vllm-source "$CARRY" --tables "$TABLES" \
   --batches 1,2,4 --out "$RES/bounds.json" > "$RES/bounds.txt" 2> "$RES/bounds.log"
 log "bounds rc=$?"; cat "$RES/bounds.txt"; tail -3 "$RES/bounds.log"
 log "done"; pack

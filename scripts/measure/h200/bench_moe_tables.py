@@ -7,7 +7,7 @@ and the block-FP8 time against the fp8 weight-read floor (bytes of the experts a
 averaged over the rotation sets, over 4.2 TB/s). Every config is checked against the float32
 reference before it is timed. No number here is typed in: all come from this run.
 
-    python3 scripts/bench_moe_tables.py --tables DIR --vllm-source .devcarry --out bench.json
+    python3 scripts/measure/h200/bench_moe_tables.py --tables DIR --vllm-source .devcarry --out bench.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device command for the judged H200 tables (one H200, torch+triton, no vLLM, no network),
 # from the repo root on the device, OUT set:
-#   bash scripts/tune_check_h200.sh [CARRY] [TUNE_BUDGET_S] [END_S]
+#   bash scripts/measure/h200/tune_check_h200.sh [CARRY] [TUNE_BUDGET_S] [END_S]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py (vLLM
 # 0.33.0's, the kernel) and tune-cache.jsonl (the earlier runs' results, resumed).
 #  1. tests/tune/test_tune_gpu.py;
@@ -34,7 +34,7 @@ log "stage 2: tune --check on the shipped tables"
 python3 - <<'EOF'
 import sys
 from pathlib import Path
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/measure/h200")
 from patch_payload import new_file_from_patch
 patch = Path("patches/vllm-0.33.0/0005-tuned-tables-h200.patch").read_text()
 prefix = "vllm/model_executor/layers/fused_moe/configs/m3patch/"
@@ -67,7 +67,7 @@ log "tune rc=$?"; tail -3 "$RES/tune.log"; pack
 
 for run in 1 2; do
   log "stage 4: bench run $run on the re-tuned tables"
-  python3 scripts/bench_moe_tables.py --tables "$RES/tables" --vllm-source "$CARRY" \
+  python3 scripts/measure/h200/bench_moe_tables.py --tables "$RES/tables" --vllm-source "$CARRY" \
     --skip-bf16 --out "$RES/bench-run$run.json" 2> "$RES/bench-run$run.log" \
     > "$RES/bench-run$run.txt"
   log "bench run $run rc=$?"; cat "$RES/bench-run$run.txt"; pack

@@ -9,7 +9,7 @@
 # 2 minutes from PyPI, about 760 MB on disk.
 #
 # Idempotent: a venv that already has the pinned lm-eval is left as it is (a second).
-# Usage: scripts/setup_lm_eval.sh [VENV]   (default: $M3PATCH_LM_EVAL_VENV or
+# Usage: scripts/setup/setup_lm_eval.sh [VENV]   (default: $M3PATCH_LM_EVAL_VENV or
 #        ~/.cache/m3patch/lm-eval-venv; recipes find its python through eval.python, whose default
 #        is $M3PATCH_LM_EVAL_PYTHON or this venv's bin/python)
 set -euo pipefail

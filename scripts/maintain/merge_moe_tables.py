@@ -1,11 +1,11 @@
 """Ship-table step for tables tuned before the judge: per batch size keep the judge's decision
-recorded in bench.json (scripts/bench_moe_tables.py: the tuned config only where it wins beyond
+recorded in bench.json (scripts/measure/h200/bench_moe_tables.py: the tuned config only where it wins beyond
 the noise), or, in a bench.json from before the judge, whichever of tuned and vLLM's default
 measured faster; then write the table and its provenance (with the routing convention the
 timings assume, added when the tuner that made them did not record it). Tables tuned with the
 judge need no merge: the tuner's final choice per batch is already the judge's.
 
-    python3 scripts/merge_moe_tables.py TUNED_DIR BENCH_JSON OUT_DIR
+    python3 scripts/maintain/merge_moe_tables.py TUNED_DIR BENCH_JSON OUT_DIR
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(tuned_dir: Path, bench: Path, out_dir: Path) -> None:
         prov.setdefault("routing", ROUTING_EP if prov["shape"].endswith(",ep") else ROUTING_DENSE)
         rule = ("the judge's decision per batch size" if all("decision" in r for r in rows)
                 else "faster of tuned and vLLM default per batch size")
-        prov["selection"] = {"rule": f"{rule}, from scripts/bench_moe_tables.py (bench.json)",
+        prov["selection"] = {"rule": f"{rule}, from scripts/measure/h200/bench_moe_tables.py (bench.json)",
                              "per_batch": choice}
         (out_dir / (table_path.name + PROVENANCE_SUFFIX)).write_text(json.dumps(prov, indent=2) + "\n")
 

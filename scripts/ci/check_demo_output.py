@@ -1,6 +1,6 @@
 """Check what `bash scripts/demo.sh` printed, as CI's proof that the README's first command works.
 
-    python3 scripts/check_demo_output.py DEMO_LOG
+    python3 scripts/ci/check_demo_output.py DEMO_LOG
 
 Stdlib only (it runs beside a fresh tool venv, not inside it). Passes when the log holds the
 per-GPU results table with one line per cell of the run's aggregate, every decode figure in it is
@@ -54,15 +54,22 @@ def table_problems(lines: list[str], rows: list[dict[str, object]]) -> list[str]
 
 
 def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: python3 scripts/ci/check_demo_output.py DEMO_LOG", file=sys.stderr)
+        return 2
     log = Path(sys.argv[1])
-    lines = log.read_text(errors="replace").splitlines()
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        print(f"check_demo_output: cannot read {log}: {exc.strerror}", file=sys.stderr)
+        return 2
     done = [m.group(1) for m in map(DONE.search, lines) if m]
     if not done:
         print(f"check_demo_output: {log}: the job did not report 'ci: all steps passed'")
         return 1
     run_dir = Path(done[-1])
     if not run_dir.is_absolute():
-        run_dir = Path(__file__).resolve().parents[1] / run_dir
+        run_dir = Path(__file__).resolve().parents[2] / run_dir
     problems = [f"run folder {run_dir}: {name} missing" for name in ARTIFACTS
                 if not any(p.is_file() for p in run_dir.rglob(name))]  # plots live in plots/
     if not any(EVAL_LINE.search(line) for line in lines):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device command for the H200 tables (one H200, torch+triton, no vLLM, no network): tune
-# both M3 shapes, then measure tuned vs vLLM default vs BF16 (scripts/bench_moe_tables.py) in
+# both M3 shapes, then measure tuned vs vLLM default vs BF16 (scripts/measure/h200/bench_moe_tables.py) in
 # the same call. From the repo root on the device, OUT set:
-#   bash scripts/tune_h200.sh [TUNE_BUDGET_S] [CARRY]
+#   bash scripts/measure/h200/tune_h200.sh [TUNE_BUDGET_S] [CARRY]
 # CARRY (default .devcarry) holds vllm/model_executor/layers/fused_moe/fused_moe.py and, to
 # resume an earlier run, its tune-cache.jsonl. RUN_GPU_TESTS=1 adds tests/tune/test_tune_gpu.py at
 # the end. Everything comes back as <= 8 plain-named files (the tables are packed in
@@ -26,7 +26,7 @@ echo "tune: ${SECONDS} s" | tee -a "$OUT/tune.log"
 tar -C /tmp -cf "$OUT/tables.tar" tables
 SECONDS=0
 mkdir -p /tmp/bench  # its per-config BF16 cache stays there: the call returns 8 files at most
-python3 scripts/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" \
+python3 scripts/measure/h200/bench_moe_tables.py --tables /tmp/tables --vllm-source "$CARRY" \
   --out /tmp/bench/bench.json 2> "$OUT/bench.log" | tee "$OUT/bench.txt"
 cp /tmp/bench/bench.json "$OUT/bench.json"
 echo "bench: ${SECONDS} s" | tee -a "$OUT/bench.log"

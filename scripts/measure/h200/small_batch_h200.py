@@ -1,7 +1,7 @@
 """Small-batch decode of the TP8 shape on this GPU: how close M <= 4 comes to the fp8
 weight-read floor, with which config, and what bounds it. Writes JSON, prints a table.
 
-    python3 scripts/small_batch_h200.py --vllm-source DIR --tables DIR --out small-batch.json
+    python3 scripts/measure/h200/small_batch_h200.py --vllm-source DIR --tables DIR --out small-batch.json
 
 DIR (--vllm-source) holds fused_moe.py with patch 0007's split-K kernel (a config with
 split_k 1 is then exactly vLLM's unpatched kernel). Per batch size: every config of

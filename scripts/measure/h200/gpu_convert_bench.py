@@ -1,6 +1,6 @@
 """GPU benchmark of the block-FP8 conversion (patch 0002) on one MiniMax M3 EP8 MoE layer.
 
-    python scripts/gpu_convert_bench.py [--patch patches/vllm-0.33.0/0002-mxfp8-block-fp8-moe.patch]
+    python scripts/measure/h200/gpu_convert_bench.py [--patch patches/vllm-0.33.0/0002-mxfp8-block-fp8-moe.patch]
         [--module PATH] [--baseline-module PATH] [--variants fn:8x128,bits:8x128,copy:8x128,...]
         [--out DIR] [--small]
 
@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 NEW_MODULE = "vllm/model_executor/layers/quantization/utils/m3patch_mxfp8_block.py"
-DEFAULT_PATCH = Path(__file__).resolve().parent.parent / "patches/vllm-0.33.0/0002-mxfp8-block-fp8-moe.patch"
+DEFAULT_PATCH = Path(__file__).resolve().parents[3] / "patches/vllm-0.33.0/0002-mxfp8-block-fp8-moe.patch"
 DEFAULT_VARIANTS = ("fn:8x128,fn:4x128,fn:16x128,fn:8x64,fn:8x32,fn:4x32,bits:8x128,bits:4x128,"
                     "bits:8x64,bits:8x32,copy:8x128,copy:4x128,torchcopy")
 COPY_CEILING_BPS = 4.2e12

@@ -15,7 +15,7 @@
 #   KEEP=1  keep the scratch folder for a look afterwards
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/m3patch-installed.XXXXXX")"
 [[ "${KEEP:-0}" == 1 ]] || trap 'rm -rf "$WORK"' EXIT

@@ -1,6 +1,6 @@
 """End-to-end check of patch 0002's block-FP8 MoE path with vLLM 0.33.0's own fused_moe_kernel.
 
-    python3 scripts/gpu_block_fp8_moe_e2e.py --vllm-source .devcarry [--batches 1,16,256,2048]
+    python3 scripts/measure/h200/gpu_block_fp8_moe_e2e.py --vllm-source .devcarry [--batches 1,16,256,2048]
         [--out DIR] [--small] [--experts E] [--torch-paths bf16] [--reps 50]
 
 One M3 TP8+EP8 rank (E=16 local experts, H=6144, I=3072, top-4 of the 16): random MXFP8 weights
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from gpu_convert_bench import DEFAULT_PATCH, module_from_patch
 
 from m3patch.tune import inputs
@@ -350,7 +350,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     env: dict[str, Any] = {
         "torch": torch.__version__, "triton": getattr(sys.modules.get("triton"), "__version__", None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["scripts/gpu_block_fp8_moe_e2e.py", *argv]),
+        "command": " ".join(["scripts/measure/h200/gpu_block_fp8_moe_e2e.py", *argv]),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
     if args.device == "cuda":
         env["device"] = torch.cuda.get_device_name()

@@ -6,7 +6,7 @@ also judged it a win (m3patch.tune.small_batch.confirmed). The sidecar's judge r
 batch sizes becomes the small-batch run's, so tests/tune/test_tune_cpu.py re-derives every
 entry from its record. Other tables are copied unchanged.
 
-    python3 scripts/ship_small_batch.py --tables DIR --run small-batch.json \
+    python3 scripts/maintain/ship_small_batch.py --tables DIR --run small-batch.json \
         [--check check1.json --check check2.json] --out DIR
 """
 

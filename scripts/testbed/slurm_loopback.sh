@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A two-node Slurm cluster on 127.0.0.1 (Debian's slurm-wlm + munge), for the Slurm launcher test
 # and CI. No systemd: the daemons are started by hand, and clients need SLURM_CONF.
-#   bash scripts/slurm_loopback.sh start DIR   # writes DIR/slurm.conf, starts munged (if not
+#   bash scripts/testbed/slurm_loopback.sh start DIR   # writes DIR/slurm.conf, starts munged (if not
 #                                              # running), slurmctld and two slurmd (n1, n2)
-#   bash scripts/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files;
+#   bash scripts/testbed/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files;
 #                                              # munged only if this script started it)
 # MpiDefault=none (no PMIx here); proctrack/cgroup, because linuxproc loses vLLM's engines,
 # which start their own sessions; cgroup v1 on this machine. Needs root (slurmd, cgroups).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device command that measures a finished pair of H200 tables twice (one H200,
 # torch+triton, no vLLM, no network), from the repo root on the device, OUT set:
-#   bash scripts/bench_judged_h200.sh TABLES [CARRY]
+#   bash scripts/measure/h200/bench_judged_h200.sh TABLES [CARRY]
 # TABLES holds the EP8 (E=16,N=3072) and TP8 (E=128,N=384) tables; CARRY (default .devcarry)
 # holds vLLM 0.33.0's fused_moe.py. Runs `m3patch tune --check` on both (EP8 with the routing
 # an EP rank sees, TP8 with the benchmark convention: no EP), then bench_moe_tables.py twice
@@ -25,7 +25,7 @@ check() {  # name table extra-args...
 check ep8-eprank "$EP8" --routing ep-rank --ep-ranks 8
 check tp8-bench "$TP8"
 for run in 1 2; do
-  python3 scripts/bench_moe_tables.py --tables "$TABLES" --vllm-source "$CARRY" --skip-bf16 \
+  python3 scripts/measure/h200/bench_moe_tables.py --tables "$TABLES" --vllm-source "$CARRY" --skip-bf16 \
     --routing ep-rank --ep-ranks 8 --out "$RES/bench-eprank-run$run.json" \
     2> "$RES/bench-eprank-run$run.log" > "$RES/bench-eprank-run$run.txt"
   log "bench ep-rank run $run rc=$?"; cat "$RES/bench-eprank-run$run.txt"; pack

@@ -1,7 +1,7 @@
 """Benchmark the core: median wall time of `m3patch apply --verify` on an already patched tree
 and of `m3patch --version`. Targets: <= 0.5 s and <= 150 ms on the 2-core CI machine.
 
-Usage: python scripts/bench_core.py [--runs N] [--out docs/results/bench_core.json]
+Usage: python scripts/measure/bench_core.py [--runs N] [--out docs/results/bench_core.json]
 
 Uses the full real series (patches/vllm-0.33.0, locked into a temp copy from the pristine
 wheel); falls back to tests/data/test-series when that series does not lock, and says so.
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from m3patch.patching.pristine import copy_tree, pristine_tree  # noqa: E402
@@ -121,7 +121,7 @@ def main() -> int:
     for row in imports[:8]:
         print(f"import {str(row['module']).strip():40} {row['cumulative_us']!s:>8} us cumulative")
     report = {"series": series_label, "python": sys.version.split()[0],
-              "command": "python scripts/bench_core.py " + " ".join(sys.argv[1:]),
+              "command": "python scripts/measure/bench_core.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.platform()} ({os.cpu_count()}-core CI machine, shared with "
                          "other jobs: see load_avg)", "cpus": os.cpu_count(),
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
@@ -129,7 +129,7 @@ def main() -> int:
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(report, indent=2, allow_nan=False)
     # Committed output: no machine-specific paths (repo checkout, interpreter prefix, home).
-    for path, name in ((str(Path(__file__).resolve().parents[1]) + "/", ""),
+    for path, name in ((str(Path(__file__).resolve().parents[2]) + "/", ""),
                        (sys.base_prefix, "<python>"), (str(Path.home()), "~")):
         text = text.replace(path, name)
     args.out.write_text(text + "\n")

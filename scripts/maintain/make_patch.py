@@ -1,6 +1,6 @@
 """Maintainer tool: write one series patch as a unified diff of an edited tree against a base.
 
-    python scripts/make_patch.py --base BASE_ROOT --edited EDITED_ROOT -o patches/vllm-0.33.0/NNNN-x.patch \
+    python scripts/maintain/make_patch.py --base BASE_ROOT --edited EDITED_ROOT -o patches/vllm-0.33.0/NNNN-x.patch \
         vllm/path/one.py vllm/path/new_file.py ...
 
 BASE_ROOT is the tree the patch applies to (the pristine tree from `python -m m3patch.patching.pristine 0.33.0`,

