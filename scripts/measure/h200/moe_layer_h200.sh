@@ -7,9 +7,9 @@
 #                 (`m3patch apply --vllm-root`), unpacked to /tmp/vllm-tree
 #   whl/          wheels of the packages vLLM's import chain needs that the device lacks
 #                 (pydantic, msgspec, pyzmq, ...; list in docs/results/moe-layer-h200/README.md)
-#   gpu_moe_layer_h200.py, gpu_vllm_standins.py   the run (scripts/ of this repo)
+#   gpu_moe_layer_h200.py, gpu_vllm_standins.py   the run (scripts/measure/h200/ of this repo)
 #   test_payload_moe_split_k.py + pristine/vllm/.../fused_moe.py   the split-K kernel test
-#  1. scripts/gpu_moe_layer_h200.py: the layer, its markers, errors and times;
+#  1. scripts/measure/h200/gpu_moe_layer_h200.py: the layer, its markers, errors and times;
 #  2. the split-K kernel's GPU numerics test against the patched tree.
 # Results come back as results.tar + run.log.
 set -uo pipefail
@@ -18,7 +18,7 @@ OUT=${OUT:-$PWD/moe-layer-out}
 CARRY=${1:-.devcarry}
 BATCHES=${2:-1,2,4,8,16,32,64,128,256}
 RES=/tmp/res
-source scripts/device_preamble.sh
+source scripts/measure/h200/device_preamble.sh
 
 TREE=/tmp/vllm-tree
 mkdir -p "$TREE" && tar -C "$TREE" -xJf "$CARRY/tree.tar.xz" || { log "tree unpack failed"; pack; exit 1; }

@@ -1,11 +1,11 @@
 """vLLM 0.33.0's own MiniMax-M3 MoE layer, with the m3patch series applied, on one GPU.
 
-    python3 scripts/gpu_moe_layer_h200.py --out DIR [--batches 1,2,4,...] [--small]
+    python3 scripts/measure/h200/gpu_moe_layer_h200.py --out DIR [--batches 1,2,4,...] [--small]
 
 Runs with a patched vLLM 0.33.0 tree of `.py`/`.json` files first on PYTHONPATH (no compiled
 extensions) and `M3PATCH_MXFP8_MOE=block_fp8` (the conversion is opt-in on CUDA). The five
 compiled ops the layer calls are torch stand-ins, each checked against its definition first
-(scripts/gpu_vllm_standins.py); vLLM's Python, the patch and the Triton kernels are the real
+(scripts/measure/h200/gpu_vllm_standins.py); vLLM's Python, the patch and the Triton kernels are the real
 ones. The layer is built the way vLLM's loader builds it:
   - `get_quantization_config("mxfp8").from_config(...)`: the ModelOpt MXFP8 config a MiniMax
     checkpoint (`quant_method: mxfp8`) gets;
@@ -66,7 +66,7 @@ ENVELOPE = 0.057
 # the threshold is twice that, and the negative control (block scales read per tensor) has
 # to land above four times it, so the check can tell a wrong quant config from rounding
 OWN_BOUND = 2.0**-6
-E8M0_BASE, BLOCK_SPREAD, GROUP_SPREAD = 108, 4, 8  # as scripts/gpu_block_fp8_moe_e2e.py
+E8M0_BASE, BLOCK_SPREAD, GROUP_SPREAD = 108, 4, 8  # as scripts/measure/h200/gpu_block_fp8_moe_e2e.py
 GRAPH_LAYERS = 3
 REPS = 20
 REQUIRED = ("m3patch[mxfp8->block_fp8]: ", "m3patch[mxfp8->block_fp8 self-check]: ",
@@ -269,7 +269,7 @@ def env_record(args: argparse.Namespace) -> dict[str, Any]:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
                           "--format=csv,noheader"], capture_output=True, text=True,
                          check=False) if shutil.which("nvidia-smi") else None
-    return {"command": "scripts/gpu_moe_layer_h200.py " + " ".join(sys.argv[1:]),
+    return {"command": "scripts/measure/h200/gpu_moe_layer_h200.py " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -1,7 +1,7 @@
 """Benchmark m3patch's own cost on a launch of the embedded default (recipes/cpu_tiny_moe.yaml):
 everything `serve` / `bench` / `ci` do before `vllm serve` starts, phase by phase, cold and warm.
 
-Usage: python scripts/bench_launch.py [--runs N] [--out docs/results/bench-launch/bench_launch.json]
+Usage: python scripts/measure/bench_launch.py [--runs N] [--out docs/results/bench-launch/bench_launch.json]
 
 Phases (each timed inside a fresh interpreter; `total` is the parent's wall time of that
 interpreter, start-up and imports included):
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PHASES = ("recipe", "model", "launch-check", "apply-verify")
 CHILD = """
 import json, sys, time
@@ -101,7 +101,7 @@ def main() -> int:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
     warm = [float(str(r["total"])) for name, r in runs if name.startswith("warm")]
     report = {
-        "command": "python scripts/bench_launch.py " + " ".join(sys.argv[1:]),
+        "command": "python scripts/measure/bench_launch.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_average": os.getloadavg()[0],
