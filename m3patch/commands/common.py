@@ -12,7 +12,7 @@ from types import FrameType
 
 from m3patch.errors import Interrupted
 from m3patch.patching.locate import VllmTree, find_vllm
-from m3patch.patching.series import Series, find_series_dir, load_series
+from m3patch.patching.series import Series, find_series_dir, load_series, series_path
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +23,10 @@ def add_tree_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_series_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--series", metavar="DIR", type=Path,
-                        help="series folder with series.yaml (default: $M3PATCH_SERIES, "
-                             "else patches/vllm-<installed version>)")
+    parser.add_argument("--series", metavar="NAME|DIR", type=series_path,
+                        help="a series name as `series list` prints it (vllm-0.33.0) or a folder "
+                             "with series.yaml (default: $M3PATCH_SERIES, else the series for "
+                             "the installed vLLM version)")
 
 
 def tree_from(args: argparse.Namespace) -> VllmTree:

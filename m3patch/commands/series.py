@@ -20,7 +20,7 @@ from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
 from m3patch.patching.port_output import port_series
 from m3patch.patching.pristine import pristine_tree
-from m3patch.patching.series import MANIFEST, Series, load_series
+from m3patch.patching.series import MANIFEST, Series, load_series, series_path
 from m3patch.patching.series_lock import lock_series
 from m3patch.shipped import shipped_dir
 
@@ -28,16 +28,17 @@ from m3patch.shipped import shipped_dir
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     lock = sub.add_parser("lock", help="compute series.lock.json from a pristine tree")
-    lock.add_argument("--series", metavar="DIR", type=Path, required=True)
+    lock.add_argument("--series", metavar="NAME|DIR", type=series_path, required=True)
     source = lock.add_mutually_exclusive_group(required=True)
     source.add_argument("--tree", metavar="DIR", help="pristine tree root (containing vllm/)")
     source.add_argument("--pristine", action="store_true",
                         help="use the cached PyPI wheel of the target version")
     show = sub.add_parser("show", help="list the patches and markers of a series")
-    show.add_argument("--series", metavar="DIR", type=Path, required=True)
+    show.add_argument("--series", metavar="NAME|DIR", type=series_path, required=True)
     port = sub.add_parser("port", help="port a series to another vLLM tree (exact hunks, "
                                        "upstreamed ones dropped, conflicts reported)")
-    port.add_argument("source", metavar="SRC", type=Path, help="the series folder to port")
+    port.add_argument("source", metavar="SRC", type=series_path,
+                      help="the series to port (a folder, or a name `series list` prints)")
     port.add_argument("--tree", metavar="NEW_ROOT", type=Path, required=True,
                       help="pristine tree of the target vLLM (the folder containing vllm/)")
     port.add_argument("--out", metavar="DIR", type=Path,
