@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch.bench.spec import recipe_cells
 from m3patch.cluster.node_plan import plan_set
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     show = sub.add_parser("show", help="the resolved argv, env and markers of a recipe")
     show.add_argument("file", type=recipe_path, metavar="FILE",
                       help="recipe file, or a shipped recipe's name (e.g. mi300x_tp8)")
-    show.add_argument("--python", help="the interpreter to launch with (default: the recipe's)")
+    add_python_flag(show, what="interpreter whose vLLM would serve (default: the recipe's "
+                               "target.python, else this one)")
 
 
 def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
