@@ -42,34 +42,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
-
+    """Every file checked; each invalid one named with why. What is fine is summarised once:
+    one line for the whole run, not one per recipe (the demo validates every shipped recipe)."""
     first_error: M3PatchError | None = None
+    valid = 0
+    unlinted: dict[str, list[Path]] = {}  # vLLM version -> recipes whose tree is not cached
     for path in files:
         try:
             recipe = load_recipe(path)
             all_markers(recipe, None)
-            if lint_markers:
-                _lint_markers(recipe)
+            if lint_markers and not _lint_markers(recipe):
+                unlinted.setdefault(recipe.target.vllm_version, []).append(path)
             check_cached(recipe)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
             continue
-        info(f"{path}: ok")
+        valid += 1
+        if len(files) == 1:
+            info(f"{path}: ok")
+    if len(files) > 1:
+        info(f"recipe validate: {valid} of {len(files)} recipe(s) ok")
+    if unlinted:
+        count = sum(len(p) for p in unlinted.values())
+        versions = ", ".join(sorted(unlinted))
+        example = next(iter(unlinted.values()))[0]
+        info(f"markers not linted for {count} recipe(s): no cached pristine vLLM {versions} tree "
+             f"(`m3patch markers lint --recipe {example}` fetches it; --no-lint-markers skips this)")
     return 0 if first_error is None else first_error.exit_code
 
 
-def _lint_markers(recipe: Recipe) -> None:
-    """Marker lint when the recipe's pristine tree is cached (validate never downloads one)."""
+def _lint_markers(recipe: Recipe) -> bool:
+    """Marker lint when the recipe's pristine tree is cached (validate never downloads one);
+    False when it is not cached (nothing linted)."""
     result = lint_all(None, None, [recipe], download=False)
     if not result.trees:
-        info(f"{recipe.path}: markers not linted (no cached vLLM {recipe.target.vllm_version} "
-             f"tree; `m3patch markers lint --recipe {recipe.path}` fetches it)")
-        return
+        return False
     for finding in result.findings:
         info(f"{recipe.path}: {finding.line()}")
     raise_on_errors(result.findings, hint=f"correct the marker text in {recipe.path}; check with "
                     f"`m3patch markers lint --recipe {recipe.path}`")
+    return True
 
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
@@ -101,12 +114,15 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
           f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
           f"({recipe.sweep.length_convention}'s convention))",
           ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
-    groups = server_groups(recipe, recipe_cells(recipe))
+    cells = recipe_cells(recipe)
+    groups = server_groups(recipe, cells)
     if len(groups) > 1:
-        base = set(recipe.vllm_args)
-        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
-              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
-                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
+        by_id = {cell.cell_id: cell for cell in cells}
+        table("server groups (one server started and gated per group)",
+              ["group", "cells (isl/osl: concurrencies)", "server differs from the recipe's by"],
+              [[g.index, "; ".join(f"{isl}/{osl}: c{concs}" for isl, osl, concs in
+                                   sweep_rows(by_id[c] for c in g.cell_ids)),
+                argv_difference(recipe, g.recipe)] for g in groups])
     if recipe.topology is not None:
         print("\n".join(topology_lines(recipe, interpreter)))
 
@@ -138,6 +154,30 @@ def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
         count = "any count" if m.count is None else f"count {m.count}"
         out += [f"  {m.kind:<9} {m.id} ({count}; declared by {m.declared_by})", f"    {m.text!r}"]
     return out
+
+
+def _options(argv: Iterable[str]) -> dict[str, str | None]:
+    """`--key value` / `--flag` tokens as a mapping (the form flatten_vllm_args writes)."""
+    out: dict[str, str | None] = {}
+    key = None
+    for token in argv:
+        if token.startswith("--"):
+            key = token
+            out[key] = None
+        elif key is not None:
+            out[key] = token if out[key] is None else f"{out[key]} {token}"
+    return out
+
+
+def argv_difference(recipe: Recipe, variant: Recipe) -> str:
+    """What a server group changes: options set or changed, options dropped, env set."""
+    base, mine = _options(recipe.vllm_args), _options(variant.vllm_args)
+    changed = [k if v is None else f"{k} {shlex.quote(v)}" for k, v in mine.items()
+               if k not in base or base[k] != v]
+    changed += [f"(no {k})" for k in base if k not in mine]
+    env = dict(recipe.env)
+    changed += [f"env {k}={shlex.quote(v)}" for k, v in variant.env if env.get(k) != v]
+    return " ".join(changed) or "nothing (the recipe's server)"
 
 
 def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:
