@@ -22,7 +22,7 @@ from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import find_vllm
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 
 IMAGE_ENV = "M3PATCH_IMAGE"
 # `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU

@@ -18,7 +18,7 @@ from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.output import info, table
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
 from m3patch.serving.vllm_parser import check_cached, check_launch
 
