@@ -20,6 +20,7 @@ from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
 from m3patch.patching.ledger import SHA256_RE, digest
 from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.parse_cache import parsed
 
 if TYPE_CHECKING:
     from m3patch.patching.diffs import PatchFile
@@ -243,5 +244,12 @@ def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
     """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
     raw = pinned(series).raw if raw is None else raw
     lock = series.require_lock()
-    return tuple((parse_patch(raw[e.id], str((series.directory / e.file))), lock.pin(e.id))
-                 for e in series.patches)
+    out = []
+    for entry in series.patches:
+        pin = lock.pin(entry.id)
+        data = raw[entry.id]
+        if digest(data) != pin.sha256:  # the memo's key must name exactly these bytes
+            msg = f"{series.directory / entry.file}: changed since series.lock.json was generated"
+            raise UsageError(msg, hint=relock_hint(series.directory))
+        out.append((parsed(data, str(series.directory / entry.file), pin.sha256), pin))
+    return tuple(out)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
 from m3patch.errors import LockTimeout, TreeIOError, UsageError
-from m3patch.fsio import DEFAULT_MODE, fsync_dir, read_json, replace_atomic, write_new
+from m3patch.fsio import DEFAULT_MODE, make_durable, read_json, replace_atomic, write_new
 from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import (
     check_sha256,
@@ -191,7 +191,9 @@ def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
             (root / rel).mkdir(exist_ok=True)
         steps.done()
     if entry.stage is not None and change.data is not None:
-        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE)
+        # durable with the whole stage at once (make_durable in commit), before the commit phase
+        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE,
+                  sync=False)
         if change.pre is not None:
             _keep_owner(target.parent / entry.stage, target)
         steps.done()
@@ -206,11 +208,21 @@ def _swap(root: Path, entry: Entry) -> None:
         (target.parent / entry.stage).replace(target)
 
 
+def _folders(root: Path, entries: list[Entry]) -> list[Path]:
+    """The folders whose entries a transaction changes: each file's, and above each it made."""
+    out = [(root / e.path).parent for e in entries]
+    out += [(root / d).parent for e in entries for d in e.made_dirs]
+    return [d for d in dict.fromkeys(out) if d.exists()]
+
+
+def _stage_durable(root: Path, entries: list[Entry]) -> None:
+    """Staged post-images, backup links and new folders on disk, in one flush."""
+    staged = [(root / e.path).parent / e.stage for e in entries if e.stage is not None]
+    make_durable([p for p in staged if p.exists()], _folders(root, entries))
+
+
 def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps) -> None:
-    dirs = {(root / e.path).parent for e in entries}
-    for directory in dirs:
-        if directory.exists():
-            fsync_dir(directory)
+    make_durable([], _folders(root, entries))  # the renames, before the ledger says so
     if ledger is None:
         with contextlib.suppress(FileNotFoundError):
             ledger_path(root).unlink()
@@ -246,6 +258,7 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
         steps.done()
         for change, entry in zip(changes, entries, strict=True):
             _stage(root, change, entry, steps)
+        _stage_durable(root, entries)  # every staged file and link on disk before "commit"
         _write_journal(root, "commit", entries, ledger)
         steps.done()
         for entry in entries:
