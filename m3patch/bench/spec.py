@@ -75,7 +75,8 @@ def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
     cells = recipe_cells(recipe)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
-        image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
+        image=recipe.target.image, model=recipe.model.source_text or recipe.model.source,
+        parallelism=parallelism_of(recipe),
         cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip
