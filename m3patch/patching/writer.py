@@ -9,6 +9,9 @@ file is present with its post-image hash, else restores the backups (hard links 
 pre-images, so no data is copied and nothing is written through a link). Folders created for new
 files are named in the journal before they are made, so a rollback removes exactly those (and a
 revert removes the ones the ledger says the apply made); a pre-existing folder is never removed.
+Durability is per phase, not per file: everything staged (post-images, backup links, folders) is
+flushed at once (fsio.make_durable: one syncfs) before the commit journal is written, and the
+renames at once before the ledger; the journal and ledger themselves are fsynced as they land.
 
 Test-only fault hook: M3PATCH_FAULT=kill-after:N sends SIGKILL to this process right after
 write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-transaction).

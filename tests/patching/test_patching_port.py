@@ -213,6 +213,33 @@ def test_a_changed_context_line_is_a_conflict_naming_the_hunk(tmp_path: Path) ->
     assert any("# changed upstream" in line for line in hunk["conflict"]["changed"])
     assert [h["outcome"] for h in doc["patches"][2]["files"][0]["hunks"]] == [
         "clean", "conflict", "clean", "clean"]
+    # a clean hunk's line is the new file's own (before the patch's earlier hunks moved it)
+    placed = doc["patches"][2]["files"][0]["hunks"][2]
+    assert placed["new-line"] == patch.files[0].hunks[2].old_start
+    assert sum(len(h.new_lines) - len(h.old_lines) for h in patch.files[0].hunks[:1]) != 0
+
+
+def test_a_port_reruns_into_the_folder_of_its_incomplete_report(tmp_path: Path) -> None:
+    """The workflow the conflict's hint gives: edit the hunk in a copy of the source series,
+    run the port again into the same --out (its report replaced), and get the series."""
+    root = copy_tree(pristine_tree("0.33.0"), tmp_path / "new-tree")
+    original = (root / MTP).read_bytes()
+    lines = original.split(b"\n")
+    patch = parse_patch((SERIES_033 / "0003-minimax-m3-mtp-fse.patch").read_bytes(), "p")
+    target = patch.files[0].hunks[1].old_start - 1
+    lines[target] = lines[target] + b"  # changed upstream"
+    replace_file(root / MTP, b"\n".join(lines))
+    out = tmp_path / "ported"
+    with pytest.raises(PortConflict) as caught:
+        port_series(SERIES_033, root, out, command="t", lint=no_lint)
+    assert f"--out {out}`: the same --out" in str(caught.value.hint)
+    replace_file(root / MTP, original)  # stands in for the hand edit of the copied series
+    result = port_series(SERIES_033, root, out, command="t", lint=real_lint)
+    assert result.written == out and (out / "series.yaml").is_file()
+    assert not (out / INCOMPLETE).exists()
+    (out / "mine.txt").write_text("keep")
+    with pytest.raises(UsageError, match="not empty"):
+        port_series(SERIES_033, root, out, command="t", lint=no_lint)
 
 
 def test_context_found_twice_away_from_its_place_is_a_conflict(tmp_path: Path) -> None:
