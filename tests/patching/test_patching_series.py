@@ -197,3 +197,18 @@ def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path
     assert verify_against_record(vllm_tree) == []
     proc = m3patch_cli("apply", "--verify", *root, "--series", str(second))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_recipe_names_its_series_by_the_name_series_list_prints(tmp_path: Path) -> None:
+    """A user's recipe outside the checkout says `series: vllm-0.33.0` (no patches/ folder
+    beside it): the shipped series of that name is used; a folder there still wins."""
+    import yaml
+
+    from m3patch.recipe.loader import load_recipe
+
+    data = yaml.safe_load((REPO / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = "vllm-0.33.0"
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
+    (tmp_path / "vllm-0.33.0").mkdir()
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == tmp_path / "vllm-0.33.0"
