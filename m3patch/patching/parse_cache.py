@@ -16,10 +16,17 @@ from typing import Any
 
 from m3patch.errors import M3PatchError, TreeIOError
 from m3patch.fsio import read_json, write_json_atomic
-from m3patch.patching.diffs import FilePatch, Hunk, PatchFile, check_rel_path, parse_patch
+from m3patch.patching.diffs import (
+    FilePatch,
+    Hunk,
+    PatchFile,
+    check_rel_path,
+    parse_patch,
+    split_lines,
+)
 from m3patch.patching.ledger import SHA256_RE
 
-SCHEMA = 1
+SCHEMA = 2  # 2: each hunk side one string
 KINDS = ("modify", "add", "delete")
 
 
@@ -33,15 +40,20 @@ def _path(sha256: str) -> Any:
 def _to_json(patch: PatchFile, sha256: str) -> dict[str, Any]:
     return {"schema": SCHEMA, "sha256": sha256, "files": [
         [f.path, f.kind, f.new_mode, [[h.index, h.old_start, h.new_start, h.header,
-                                        list(h.old_lines), list(h.new_lines)] for h in f.hunks]]
+                                        "".join(h.old_lines), "".join(h.new_lines)]
+                                       for h in f.hunks]]
         for f in patch.files]}
 
 
 def _lines(raw: object) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+    """A hunk side is stored joined: within a side only the last line can lack its newline, so
+    splitting after each newline gives the lines back exactly (and a one-string side is fast
+    to check). Whatever a tampered memo holds, each applied result is still checked against
+    the post-image hash the lock pins."""
+    if not isinstance(raw, str):
         msg = "lines"
         raise TypeError(msg)
-    return tuple(raw)
+    return tuple(split_lines(raw))
 
 
 def _int(raw: object) -> int:

@@ -28,7 +28,7 @@ import signal
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
 from m3patch.errors import LockTimeout, TreeIOError, UsageError
@@ -161,9 +161,12 @@ def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
 
 
 def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes | None) -> None:
-    body = {"phase": phase, "entries": [asdict(e) for e in entries],
+    # the same document as asdict() gives, field by field and without indent: asdict and an
+    # indented dump run in pure Python, about a second each for a release-sized transaction
+    names = [f.name for f in fields(Entry)]
+    body = {"phase": phase, "entries": [{n: getattr(e, n) for n in names} for e in entries],
             "ledger": None if ledger is None else ledger.decode()}
-    replace_atomic(journal_path(root), json.dumps(body, indent=1).encode())
+    replace_atomic(journal_path(root), json.dumps(body).encode())
 
 
 def _keep_owner(stage: Path, target: Path) -> None:
