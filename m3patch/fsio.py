@@ -75,9 +75,12 @@ def make_durable(files: Iterable[Path], folders: Iterable[Path]) -> None:
 def write_new(path: Path, data: bytes, mode: int = DEFAULT_MODE, *, sync: bool = True) -> None:
     """Create `path` as a new inode (never through an existing link), fsynced unless `sync` is
     False (the caller then makes it durable with `make_durable`). Raises OSError."""
-    with contextlib.suppress(FileNotFoundError):
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:  # a leftover name: removed, never written through
         path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        fd = os.open(path, flags, mode)
     try:
         view = memoryview(data)
         while view:
