@@ -1,6 +1,6 @@
 """One spelling per meaning across every command: `--json` alone is the report on stdout,
 `--json-file FILE` writes it, and the interpreter a command runs is `--python PATH`; the older
-spellings (`--json FILE`, `--lm-eval-python`, `--check-json`) stay as aliases."""
+spellings (`--json FILE`, `--lm-eval-python`, `--spec-python`, `--check-json`) stay as aliases."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_json_alone_means_stdout_everywhere() -> None:
 
 
 def test_the_interpreter_is_python_path_everywhere() -> None:
-    aliases = {"--lm-eval-python"}
+    aliases = {"--lm-eval-python", "--spec-python"}
     seen = []
     for name, parser in parsers():
         for action in options(parser):
