@@ -77,7 +77,7 @@ def _spec_python(given: str | None) -> str:
     if not python.exists():
         msg = (f"no interpreter with vLLM's dependencies at {python} to build the target "
                f"vLLM's `vllm serve` parser for {CLI_SPEC}")
-        raise UsageError(msg, hint="scripts/setup_cpu_venv.sh, or pass --python PATH "
+        raise UsageError(msg, hint="bash scripts/setup/setup_cpu_venv.sh, or pass --python PATH "
                                    "(or --no-cli-spec)")
     return str(python)
 
