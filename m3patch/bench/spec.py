@@ -22,7 +22,7 @@ from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import find_vllm
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 
 IMAGE_ENV = "M3PATCH_IMAGE"
 # `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU
@@ -101,7 +101,8 @@ def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
     cells = recipe_cells(recipe)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
-        image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
+        image=recipe.target.image, model=recipe.model.source_text or recipe.model.source,
+        parallelism=parallelism_of(recipe),
         cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from m3patch.bench import spec as bench_spec
 from m3patch.bench.runner import health_probe
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import UsageError
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import evaluate, preflight
@@ -33,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server to evaluate (default: the recipe's server host:port)")
     parser.add_argument("--run-dir", type=Path,
                         help="where eval/ goes (default: RESULTS/eval-TIME under the recipe's results)")
-    parser.add_argument("--lm-eval-python", metavar="PATH",
-                        help="lm-eval's interpreter (default: the recipe's eval.python)")
+    add_python_flag(parser, what="lm-eval's interpreter (default: the recipe's eval.python); "
+                                 "--lm-eval-python is its older spelling",
+                    aliases=("--lm-eval-python",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
         msg = f"{recipe.path}: no eval section; nothing to gate on"
         raise UsageError(msg, hint="add eval: tasks: [...] to the recipe (README: accuracy gate)")
     spec = recipe.eval
-    if args.lm_eval_python:
-        spec = dataclasses.replace(spec, python=args.lm_eval_python)
+    if args.python:
+        spec = dataclasses.replace(spec, python=args.python)
     preflight(spec, recipe.path)
     base_url = (args.url or f"http://{recipe.host}:{recipe.port}").rstrip("/")
     run_dir = args.run_dir or recipe.results_dir / time.strftime("eval-%Y%m%d-%H%M%S")

@@ -23,6 +23,7 @@ from m3patch.cluster.local_launcher import run_set
 from m3patch.cluster.node import NodeRun
 from m3patch.cluster.node_plan import require_node, require_topology
 from m3patch.cluster.slurm import sbatch_script
+from m3patch.commands.flags import add_python_flag
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted, UsageError
 from m3patch.fsio import write_bytes_atomic
@@ -45,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check the launch with the target vLLM's own parser, print the argv, env and "
                              "markers; apply and start nothing")
-    parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
-                                         "(default: the recipe's target.python, else this one)")
+    add_python_flag(parser, what="interpreter whose vLLM tree is patched and launched "
+                                 "(default: the recipe's target.python, else this one)")
     parser.add_argument("--allow-other-vllm", action="store_true",
                         help="with --dry-run: check with --python's vLLM parser even when it is "
                              "not the version the recipe's series targets (else exit 4), and "

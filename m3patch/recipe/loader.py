@@ -27,6 +27,7 @@ from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, s
 from m3patch.recipe.target import ModelSpec, Target
 from m3patch.recipe.topology import Topology, topology
 from m3patch.schema import SchemaError, at_key, check_keys, expect_mapping, expect_str, in_file
+from m3patch.shipped import shipped_dir
 from m3patch.yamlio import load_yaml_file
 
 TOP_KEYS = ("description", "server", "parallelism", "vllm-args", "env", "speculative", "markers",
@@ -72,6 +73,17 @@ def _section(data: dict[str, Any], key: str, parse: Callable[[dict[str, Any]], T
         return parse(expect_mapping(data.get(key, {})))
 
 
+def _series_dir(path: Path, text: str) -> Path:
+    """`series:` is a folder relative to the recipe, or the name of a shipped series
+    (`vllm-0.33.0`, as `m3patch series list` prints it) when no such folder is there."""
+    relative = (path.parent / expand(text)).resolve()
+    shipped = shipped_dir("patches")
+    if "/" not in text and not relative.is_dir() and shipped is not None \
+            and (shipped / text / "series.yaml").is_file():
+        return (shipped / text).resolve()
+    return relative
+
+
 def load_recipe(path: Path) -> Recipe:
     data = load_yaml_file(path)
     with in_file(path):
@@ -88,7 +100,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     with at_key("name"):
         name = expect_str(data["name"])
     with at_key("series"):
-        series_dir = (path.parent / expand(expect_str(data["series"]))).resolve()
+        series_dir = _series_dir(path, expect_str(data["series"]))
     model = _section(data, "model", served.model)
     spec = _section(data, "speculative", dict)
     with at_key("speculative"):

@@ -157,10 +157,18 @@ def check_lengths_fit(sweep: Sweep, vllm_args: object) -> None:
         return
     for index, row in enumerate(sweep.rows):
         reach = longest(row.isl, row.osl, sweep.range_ratio, sweep.length_convention)
-        if reach > limit:
+        if reach <= limit:
+            continue
+        if sweep.length_convention == INFERENCEX:
+            # InferenceX draws [int(L*r), L]: the longest request is isl + osl whatever the ratio
+            msg = (f"isl {row.isl} + osl {row.osl} = {reach} tokens (InferenceX's lengths never "
+                   f"pass isl + osl, whatever {INFERENCEX_KEY}), over vllm-args.max-model-len "
+                   f"{limit}; raise vllm-args.max-model-len to at least {reach}, shorten the row, "
+                   f"or size each cell's server with sweep.max-model-len: per-cell")
+        else:
             msg = (f"isl {row.isl} + osl {row.osl} with range-ratio {sweep.range_ratio} "
-                   f"({sweep.length_convention}'s convention) reach "
-                   f"{reach} tokens, over vllm-args.max-model-len {limit}; lower range-ratio "
-                   f"or raise max-model-len")
-            with at_key("sweep"), at_key("rows"), at_key(index):
-                raise SchemaError(msg)
+                   f"(vLLM's convention: lengths up to L(1+r)) reach {reach} tokens, over "
+                   f"vllm-args.max-model-len {limit}; lower sweep.range-ratio or raise "
+                   f"vllm-args.max-model-len to at least {reach}")
+        with at_key("sweep"), at_key("rows"), at_key(index):
+            raise SchemaError(msg)

@@ -55,7 +55,7 @@ from m3patch.recipe.agentic import KvOffload
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
-from m3patch.recipe.regions import ServerGroup, server_groups
+from m3patch.recipe.server_groups import ServerGroup, server_groups
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession

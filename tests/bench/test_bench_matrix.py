@@ -130,3 +130,20 @@ def test_bench_only_accepts_every_cell_the_matrix_prints(
     for late in (late_tp, late_ep):  # exactly the rows' concurrencies, TP-only or not
         assert [i.rsplit("-", 1)[1] for i in _matrix_cell_ids(late, capsys)] == [
             "c2", "c4", "c4", "c8"]
+
+
+def test_matrix_output_travels_to_another_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A recipe given by name stays that name, a relative path stays relative, and the model
+    keeps `~` as the recipe writes it: the jobs run on machines other than the one that made
+    the matrix."""
+    data = yaml.safe_load((REPO / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.33.0")
+    data["model"] = {"source": "~/models/MiniMax-M3", "served-name": "m3"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    assert main(["matrix", "--per", "recipe", "mi300x_tp8", "mine.yaml"]) == 0
+    jobs = json.loads(capsys.readouterr().out)["include"]
+    assert [(j["recipe"], j["model"]) for j in jobs] == [
+        ("mi300x_tp8", "MiniMaxAI/MiniMax-M3-MXFP8"), ("mine.yaml", "~/models/MiniMax-M3")]
+    assert str(Path.home()) not in json.dumps(jobs) and str(REPO) not in json.dumps(jobs)

@@ -21,7 +21,7 @@ from m3patch.recipe.agentic import (
     kv_offload_args,
 )
 from m3patch.recipe.loader import load_recipe
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]
