@@ -3,7 +3,8 @@
 Whether bytes compile is a pure function of the bytes and the interpreter (its cache tag and
 bytecode magic number), so `verify` compiles a given post-image once per interpreter rather than
 on every run: a release-sized series has over a thousand .py files, and compiling them is most
-of verify's time. Only successes are remembered (a failure is compiled again, for its message).
+of verify's time; a read-only command (`verify` itself) only reads the memo (patching.memo),
+so the memo grows through apply and the serve/bench/ci path. Only successes are remembered (a failure is compiled again, for its message).
 The memo is m3patch's own state read back as hostile input: anything but the exact shape
 (schema, this interpreter's key, sha256 hex strings) is ignored as a whole and rebuilt.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from m3patch.errors import M3PatchError, TreeIOError
 from m3patch.fsio import read_json, write_json_atomic
+from m3patch.patching import memo
 from m3patch.patching.ledger import SHA256_RE
 
 SCHEMA = 1
@@ -55,7 +57,7 @@ def known_good() -> set[str]:
 def remember(old: set[str], new: Iterable[str]) -> None:
     """Add `new` to the memo; a cache that cannot be written is only a slower next run."""
     fresh = set(new) - old
-    if not fresh:
+    if not fresh or not memo.writes_allowed():
         return
     good = sorted(old | fresh) if len(old) + len(fresh) <= LIMIT else sorted(fresh)
     try:

@@ -6,7 +6,8 @@ hunks) parses in seconds with unidiff, and the same pinned bytes always give the
 bytes were just checked against (series_lock.pinned), so the key names exactly these bytes. The
 memo is read back as hostile input: the shape is checked field by field, every path goes through
 `check_rel_path` again, and anything unexpected means the patch is parsed afresh and the entry
-rewritten. A memo that cannot be written is only a slower next run.
+rewritten. A memo that cannot be written is only a slower next run; a read-only command never writes it
+(patching.memo).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from m3patch.errors import M3PatchError, TreeIOError
 from m3patch.fsio import read_json, write_json_atomic
+from m3patch.patching import memo
 from m3patch.patching.diffs import (
     FilePatch,
     Hunk,
@@ -112,6 +114,7 @@ def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
         if cached is not None:
             return cached
     patch = parse_patch(data, name)
-    with contextlib.suppress(M3PatchError, OSError):
-        write_json_atomic(path, _to_json(patch, sha256), indent=0)
+    if memo.writes_allowed():
+        with contextlib.suppress(M3PatchError, OSError):
+            write_json_atomic(path, _to_json(patch, sha256), indent=0)
     return patch
