@@ -7,6 +7,11 @@ Kinds of role:
 - `prefill`, `decode`: separate instances linked by a KV connector (disaggregated serving).
 - `proxy`: m3patch's P/D proxy (`python -m m3patch.cluster.proxy`); the set's front door.
 
+`address` (the head's) and the `network:` section stay as written here: each node resolves them
+at start (m3patch.cluster.network), so a render never shows a loopback address a real cluster
+would not use. Env values may name the node's own `@{address}`, `@{interface}`, `@{head}`,
+`@{role}` and `@{rank}`.
+
 Marker counts in a role are per WORKER PROCESS (vLLM prints its `info_once` lines once per
 process, and a node runs `local-dp x tp` of them), so a gate can say "every worker of every
 node printed it"; `node_markers` scales them to one node's log. The recipe's top-level markers
@@ -23,7 +28,6 @@ from typing import Any, Literal, cast
 from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
 from m3patch.recipe.launch import flatten_vllm_args
-from m3patch.recipe.paths import expand
 from m3patch.schema import (
     SchemaError,
     at_key,
@@ -44,6 +48,10 @@ ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers")
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
               "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
 DEFAULT_RPC_PORT = 13345
+DEFAULT_ADDRESS = "${M3PATCH_HEAD_ADDR}"  # no default: a set never falls back to loopback
+NETWORK_KEYS = ("interface", "address", "env")
+PLACEHOLDERS = ("address", "interface", "head", "role", "rank")
+_PLACEHOLDER = re.compile(r"@\{([^}]*)\}")
 # A role name becomes a file name (RUN/nodes/<role>-<rank>.json, logs) and a word of the sbatch
 # script (`role:rank` pairs split at ':'), so it is held to characters neither can misread.
 _ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -84,10 +92,21 @@ class NodeId:
 
 
 @dataclass(frozen=True)
+class Network:
+    """Which address a node advertises and which interface Gloo/NCCL/RCCL use (as written:
+    `auto` or a value with ${VAR}; resolved on the node)."""
+
+    interface: str = "auto"  # auto: the interface holding the node's address
+    address: str = "auto"  # auto: VLLM_HOST_IP if exported, else the route to the head
+    env: tuple[tuple[str, str], ...] = ()  # site values (NCCL_IB_HCA, ...), placeholders allowed
+
+
+@dataclass(frozen=True)
 class Topology:
-    address: str  # the DP head's address (--data-parallel-address); loopback here
+    address: str  # the head's address as written (${M3PATCH_HEAD_ADDR}); resolved on the head
     rpc_port: int
     roles: tuple[Role, ...]
+    network: Network = Network()
 
     def role(self, name: str) -> Role:
         for role in self.roles:
@@ -128,11 +147,11 @@ class Topology:
         msg = f"{node} is not a data-parallel node"
         raise SchemaError(msg)
 
-    def dp_args(self, node: NodeId) -> tuple[str, ...]:
-        """The DP flags m3patch adds to a DP node's `vllm serve`."""
+    def dp_args(self, node: NodeId, head_address: str) -> tuple[str, ...]:
+        """The DP flags m3patch adds to a DP node's `vllm serve` (the head's resolved IP)."""
         role = self.role(node.role)
         out = ["--data-parallel-size", str(self.dp_size), "--data-parallel-size-local",
-               str(role.local_dp), "--data-parallel-address", self.address,
+               str(role.local_dp), "--data-parallel-address", head_address,
                "--data-parallel-rpc-port", str(self.rpc_port)]
         if role.kind == "dp-headless":
             out += ["--headless", "--data-parallel-start-rank", str(self.start_rank(node))]
@@ -149,10 +168,12 @@ def node_markers(role: Role, tp: int) -> tuple[MarkerSpec, ...]:
 def topology(data: dict[str, Any], *, source: str) -> Topology | None:
     if not data:
         return None
-    check_keys(data, required=("roles",), optional=("address", "rpc-port"))
+    check_keys(data, required=("roles",), optional=("address", "rpc-port", "network"))
     with at_key("address"):
-        # ${M3PATCH_HEAD_ADDR:-127.0.0.1}: the Slurm job exports the first host of its allocation
-        address = expand(expect_str(data.get("address", "127.0.0.1")))
+        # kept as written; the head resolves it at start (the Slurm job exports the head's IP)
+        address = expect_str(data.get("address", DEFAULT_ADDRESS))
+    with at_key("network"):
+        net = network(expect_mapping(data.get("network", {})))
     with at_key("rpc-port"):
         rpc_port = _port(data.get("rpc-port", DEFAULT_RPC_PORT))
     roles = []
@@ -164,7 +185,30 @@ def topology(data: dict[str, Any], *, source: str) -> Topology | None:
                     raise SchemaError(msg)
                 roles.append(_role(str(name), expect_mapping(raw), source))
     _check_shape(tuple(roles))
-    return Topology(address, rpc_port, tuple(roles))
+    return Topology(address, rpc_port, tuple(roles), net)
+
+
+def network(data: dict[str, Any]) -> Network:
+    check_keys(data, optional=NETWORK_KEYS)
+    values = []
+    for key in ("interface", "address"):
+        with at_key(key):
+            values.append(expect_str(data.get(key, "auto")))
+    with at_key("env"):
+        env = launch.env(expect_mapping(data.get("env", {})))
+        check_placeholders(env)
+    return Network(values[0], values[1], env)
+
+
+def check_placeholders(env: tuple[tuple[str, str], ...]) -> None:
+    """Every `@{...}` in an env value names one of the node's own values."""
+    for key, value in env:
+        for name in _PLACEHOLDER.findall(value):
+            if name not in PLACEHOLDERS:
+                with at_key(key):
+                    msg = (f"@{{{name}}} is not a node value; use one of "
+                           f"{', '.join('@{' + p + '}' for p in PLACEHOLDERS)}")
+                    raise SchemaError(msg)
 
 
 def _port(value: object) -> int:
@@ -195,6 +239,7 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         vllm_args = flatten_vllm_args(raw_args)
     with at_key("env"):
         env = launch.env(expect_mapping(data.get("env", {})))
+        check_placeholders(env)
     with at_key("markers"):
         marker_gates = gates.markers(expect_mapping(data.get("markers", {})),
                                      source=f"{source} role {name}")

@@ -172,6 +172,11 @@ class Supervisor:
         reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout)
         return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
 
+    def answers(self, timeout_s: float) -> bool:
+        """One liveness probe: /health and a 4-token greedy completion, each bounded by
+        `timeout_s`. A hung engine keeps /health at 200; only a completion shows it."""
+        return self._probe(time.monotonic() + timeout_s)
+
     def check_alive(self) -> None:
         """During a sweep: a forbidden marker or a dead server ends the run."""
         self.raise_if_violation()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cluster_helpers import set_records
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.local_launcher import TEARDOWN_S
@@ -38,7 +39,7 @@ class LiveSet:
     err: Path
 
     def records(self) -> dict[NodeId, rv.NodeRecord]:
-        return rv.read_records(self.run_dir)
+        return set_records(self.run_dir)
 
 
 def shm_since(start: float) -> list[Path]:

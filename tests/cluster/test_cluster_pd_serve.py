@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster_helpers import set_records
 
-from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.local_launcher import TEARDOWN_S
 from m3patch.markers import MarkerSpec, check_log_bytes, regex_text
 from m3patch.serving.processes import group_members
@@ -116,7 +116,7 @@ def pd_and_plain(cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> Iterator[t
         deadline = time.monotonic() + READY_WAIT_S
         wait_ready(the_set, "set ready", deadline)
         wait_ready(plain, "ready in", deadline)
-        pgids = [r.pgid for r in rv.read_records(the_set.run_dir).values() if r.pgid is not None]
+        pgids = [r.pgid for r in set_records(the_set.run_dir).values() if r.pgid is not None]
         yield the_set, plain
     finally:
         stop(the_set)
