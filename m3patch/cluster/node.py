@@ -36,7 +36,14 @@ from m3patch.cluster import network
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import NodePlan, node_log, node_port, plan_node, require_topology
 from m3patch.cluster.shm import ShmTracker
-from m3patch.errors import M3PatchError, NodeLost, ReadyTimeout, ResultsInvalid, ServerDied
+from m3patch.errors import (
+    M3PatchError,
+    MarkerMissing,
+    NodeLost,
+    ReadyTimeout,
+    ResultsInvalid,
+    ServerDied,
+)
 from m3patch.markers import MarkerChecker
 from m3patch.output import info
 from m3patch.patching.series import load_series
@@ -206,6 +213,7 @@ class NodeRun:
         self.supervisor.gate_markers(hint=self.plan.plan.marker_hint)
         if self.node == self.topo.head:
             self._wait_set()
+            self._prove_kv()
         self._publish("ready", verified=self.role.runs_vllm)
 
     def _while_starting(self) -> None:
@@ -276,6 +284,36 @@ class NodeRun:
                                          "deadlines.ready-s")
             self._beat()
             time.sleep(POLL_S)
+
+    def _prove_kv(self) -> None:
+        """P/D: KV must reach every decode node from a prefill node, not only the connector load.
+        One long prompt per decode node through the router; each decode log must then show its
+        role's `kv-arrived` line (read from the shared run folder)."""
+        assert self.supervisor is not None
+        decodes = [n for n in self.topo.nodes() if self.topo.role(n.role).kv_arrived]
+        deadline = time.monotonic() + self.recipe.deadlines.request_s
+        for attempt in range(4 * len(decodes)):
+            missing = [n for n in decodes if not self._log_has(n)]
+            if not missing:
+                return
+            prompt = f"{attempt} " + " ".join(f"m3patch checks that KV moves {k}" for k in range(40))
+            self.supervisor.complete(prompt, self.recipe.deadlines.request_s)
+            while time.monotonic() < deadline and [n for n in missing if not self._log_has(n)]:
+                time.sleep(POLL_S)
+        missing = [n for n in decodes if not self._log_has(n)]
+        if missing:
+            lines = ", ".join(f"{n} ({self.topo.role(n.role).kv_arrived!r} not in "
+                              f"{node_log(self.run_dir, n)})" for n in missing)
+            msg = f"no KV arrived from a prefill node at decode node(s) {lines}"
+            raise MarkerMissing(msg, hint="check the roles' kv-transfer-config (connector, "
+                                          f"addresses, ports); then: {self.fix}")
+
+    def _log_has(self, node: NodeId) -> bool:
+        text = self.topo.role(node.role).kv_arrived
+        try:
+            return text is not None and text.encode() in node_log(self.run_dir, node).read_bytes()
+        except OSError:
+            return False
 
     def _reference(self, records: dict[NodeId, rv.NodeRecord]) -> tuple[str, str]:
         """The head's own tree; the proxy (no tree) holds every node to the first vLLM node's."""

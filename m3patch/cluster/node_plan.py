@@ -9,14 +9,13 @@ role's `vllm-args`, `env` and the DP flags the topology computes, gated by:
 Every node binds and advertises its own address (`NodeNetwork`, resolved on the node by
 m3patch.cluster.network): `--host`, VLLM_HOST_IP, the Gloo/NCCL interface and the recipe's
 per-node `@{...}` values; a render (`recipe show`) prints placeholders instead.
-The proxy node runs `python -m m3patch.cluster.proxy` with m3patch's own interpreter, its
+The proxy node runs vLLM's own P/D router (`vllm-router --vllm-pd-disaggregation`), its
 backends at the addresses the prefill and decode nodes published.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,10 +23,11 @@ from m3patch.cluster.network import SHOWN, NodeNetwork, node_env
 from m3patch.errors import UsageError
 from m3patch.markers import MarkerSpec
 from m3patch.recipe.loader import Recipe
-from m3patch.recipe.topology import NodeId, Role, Topology, node_markers
+from m3patch.recipe.paths import expand
+from m3patch.recipe.topology import ROUTER_CONNECTORS, NodeId, Role, Topology, node_markers
 from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
 
-PROXY_MODULE = "m3patch.cluster.proxy"
+ROUTER_LOG_LEVEL = "info"
 
 
 @dataclass(frozen=True)
@@ -122,11 +122,19 @@ def _proxy_plan(recipe: Recipe, port: int, log_path: Path, net: NodeNetwork,
                 netenv: dict[str, str], backends: dict[str, tuple[str, ...]]) -> LaunchPlan:
     from m3patch.serving.supervisor import LaunchSpec
 
-    argv = (sys.executable, "-m", PROXY_MODULE, "--host", net.address, "--port", str(port),
-            *(x for url in backends["prefill"] for x in ("--prefill", url)),
-            *(x for url in backends["decode"] for x in ("--decode", url)))
     topo = require_topology(recipe)
     role = next(r for r in topo.roles if r.kind == "proxy")
+    connectors = {r.connector for r in topo.roles if r.connector in ROUTER_CONNECTORS}
+    kv = [x for name in sorted(c for c in connectors if c) for x in
+          ("--kv-connector", ROUTER_CONNECTORS[name])]
+    argv = (expand(role.router), "--host", net.address, "--port", str(port),
+            "--vllm-pd-disaggregation",
+            *(x for url in backends["prefill"] for x in ("--prefill", url)),
+            *(x for url in backends["decode"] for x in ("--decode", url)), *kv,
+            # the router waits for its workers as long as the set may take to be ready
+            "--worker-startup-timeout-secs", str(int(recipe.deadlines.ready_s)),
+            "--request-timeout-secs", str(int(recipe.deadlines.request_s)),
+            "--log-level", ROUTER_LOG_LEVEL)
     overrides = tuple({**dict(LOOPBACK_ENV), **netenv}.items())
     spec = LaunchSpec(argv=argv, env={**os.environ, **dict(overrides)}, log_path=log_path,
                       base_url=f"http://{net.address}:{port}", served_model=recipe.model.served_name,

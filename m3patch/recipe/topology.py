@@ -5,7 +5,11 @@ Kinds of role:
 - `dp-head`: the data-parallel head (API server, DP coordinator, its local engines); one node.
 - `dp-headless`: `vllm serve --headless` ranks that join the head's DP group (engines only).
 - `prefill`, `decode`: separate instances linked by a KV connector (disaggregated serving).
-- `proxy`: m3patch's P/D proxy (`python -m m3patch.cluster.proxy`); the set's front door.
+- `proxy`: vLLM's own P/D router (`vllm-router --vllm-pd-disaggregation`, the PyPI package
+  InferenceX pins for its disaggregated runs; `router:` names its binary); the set's front door.
+  A decode role's `kv-arrived:` is the log line that proves KV came from a prefill node: the
+  head sends one long prompt through the router once the set answers, and every decode node's
+  log must show the line (the connector loading is not enough).
 
 `address` (the head's) and the `network:` section stay as written here: each node resolves them
 at start (m3patch.cluster.network), so a render never shows a loopback address a real cluster
@@ -43,7 +47,16 @@ ROLE_KINDS: tuple[RoleKind, ...] = ("dp-head", "dp-headless", "prefill", "decode
 DP_KINDS = ("dp-head", "dp-headless")
 PD_KINDS = ("prefill", "decode", "proxy")
 VLLM_KINDS = ("dp-head", "dp-headless", "prefill", "decode")
-ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers")
+ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers", "router",
+             "kv-arrived")
+DEFAULT_ROUTER = "${M3PATCH_ROUTER_VENV:-~/.cache/m3patch/vllm-router-venv}/bin/vllm-router"
+# The keys vLLM 0.33's connectors read from kv_connector_extra_config with no default
+# (moriio_common.py: int(extra_config["http_port"]), ["handshake_port"], ["notify_port"]; the
+# NIXL connector reads every key with a default). tests/cluster check this against the tree.
+REQUIRED_EXTRA = {"MoRIIOConnector": ("http_port", "handshake_port", "notify_port")}
+# vllm-router's --kv-connector for a connector that needs the router's own handshake
+ROUTER_CONNECTORS = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl",
+                     "MooncakeConnector": "mooncake"}
 # m3patch writes these from the topology; a role setting them by hand would disagree with it.
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
               "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
@@ -67,6 +80,9 @@ class Role:
     vllm_args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     markers: tuple[MarkerSpec, ...]  # counts per worker process
+    router: str = DEFAULT_ROUTER  # the proxy's vllm-router binary, as written
+    kv_arrived: str | None = None  # decode: the log line that proves KV arrived
+    connector: str | None = None  # prefill/decode: kv-transfer-config's kv_connector
 
     @property
     def serves_http(self) -> bool:
@@ -237,6 +253,11 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
                    "local-dp, address, rpc-port, port); remove it here")
             raise SchemaError(msg)
         vllm_args = flatten_vllm_args(raw_args)
+        connector = _connector(raw_args)
+    with at_key("router"):
+        router = expect_str(data.get("router", DEFAULT_ROUTER))
+    with at_key("kv-arrived"):
+        kv_arrived = None if data.get("kv-arrived") is None else expect_str(data["kv-arrived"])
     with at_key("env"):
         env = launch.env(expect_mapping(data.get("env", {})))
         check_placeholders(env)
@@ -246,9 +267,39 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         if marker_gates.counts or marker_gates.waivers:
             msg = "a role states counts on its own markers (per worker); counts/waive are not allowed here"
             raise SchemaError(msg)
-    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers)
+    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers, router,
+                kv_arrived, connector)
     _check_role(role)
+    if kind != "proxy" and "router" in data:
+        msg = "router: names the proxy's vllm-router; only a proxy role takes it"
+        raise SchemaError(msg)
+    if kind != "decode" and kv_arrived is not None:
+        msg = "kv-arrived: is the decode side's proof that KV arrived; only a decode role takes it"
+        raise SchemaError(msg)
     return role
+
+
+def _connector(raw_args: dict[str, Any]) -> str | None:
+    """The role's KV connector; its config must carry every key the connector reads with no
+    default, or the recipe is refused here, before any node starts."""
+    config = raw_args.get("kv-transfer-config")
+    if config is None:
+        return None
+    with at_key("kv-transfer-config"):
+        config = expect_mapping(config)
+        name = config.get("kv_connector")
+        if not isinstance(name, str):
+            msg = "kv_connector is missing (a connector class name, e.g. MoRIIOConnector)"
+            raise SchemaError(msg)
+        extra = config.get("kv_connector_extra_config", {})
+        with at_key("kv_connector_extra_config"):
+            extra = expect_mapping(extra)
+            missing = [k for k in REQUIRED_EXTRA.get(name, ()) if k not in extra]
+            if missing:
+                msg = (f"{name} reads {', '.join(missing)} with no default (vLLM 0.33); the "
+                       "server would fail at start. Add it here")
+                raise SchemaError(msg)
+    return name
 
 
 def _check_role(role: Role) -> None:
@@ -259,7 +310,7 @@ def _check_role(role: Role) -> None:
         msg = f"local-dp applies to data-parallel roles only, not {role.kind}"
         raise SchemaError(msg)
     if role.kind == "proxy" and (role.vllm_args or role.markers):
-        msg = "the proxy runs no vLLM: it takes no vllm-args or markers"
+        msg = "the proxy runs vllm-router, not vLLM: it takes no vllm-args or markers"
         raise SchemaError(msg)
 
 

@@ -172,6 +172,13 @@ class Supervisor:
         reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout)
         return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
 
+    def complete(self, prompt: str, timeout_s: float) -> bool:
+        """One 4-token greedy completion of `prompt`; whether it came back with a choice."""
+        body = {"model": self.spec.served_model, "prompt": prompt, "max_tokens": 4,
+                "temperature": 0}
+        reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout_s)
+        return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
     def answers(self, timeout_s: float) -> bool:
         """One liveness probe: /health and a 4-token greedy completion, each bounded by
         `timeout_s`. A hung engine keeps /health at 200; only a completion shows it."""

@@ -4,6 +4,7 @@ records read back as hostile input and compared (pure; no server)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,10 @@ import yaml
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import plan_node, plan_set
-from m3patch.cluster.proxy import prefill_body
 from m3patch.cluster.slurm import sbatch_script, task_table
 from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.recipe.loader import load_recipe
-from m3patch.recipe.topology import NodeId
+from m3patch.recipe.topology import REQUIRED_EXTRA, NodeId
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,13 +148,6 @@ def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> 
         rv.read_records(tmp_path, SET, (NodeId("node", 0),))
 
 
-def test_proxy_prefill_request_is_one_token_without_streaming() -> None:
-    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
-    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False}
-    assert body["max_tokens"] == 50  # the decode request is the original
-
-
 def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
     recipe = load_recipe(DP2)
     assert task_table(recipe) == [("node", 0), ("head", 0)]
@@ -185,12 +178,39 @@ def test_topologies_render_every_node(name: str) -> None:
         assert f"# node {node} " in proc.stdout
 
 
+def test_a_moriio_config_without_a_key_vllm_needs_is_refused(tmp_path: Path) -> None:
+    data = yaml.safe_load((REPO / "recipes" / "mi355x_tp4_pd.yaml").read_text())
+    extra = data["topology"]["roles"]["decode"]["vllm-args"]["kv-transfer-config"]
+    del extra["kv_connector_extra_config"]["http_port"]
+    with pytest.raises(SchemaError, match="MoRIIOConnector reads http_port with no default"):
+        load_recipe(variant(tmp_path, data, base=REPO / "recipes" / "mi355x_tp4_pd.yaml"))
+
+
+def test_connector_keys_without_default_match_vllm_033(pristine_033: Path) -> None:
+    """REQUIRED_EXTRA is what vLLM 0.33.0's MoRIIO and NIXL code reads as extra_config[KEY]
+    (no default); read from the real tree, so a new required key fails here."""
+    v1 = pristine_033 / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    bare = re.compile(r"extra_config\[\s*[\"'](\w+)[\"']\s*\]")
+    for connector, folder in (("MoRIIOConnector", "moriio"), ("NixlConnector", "nixl")):
+        code = "\n".join(line.split("#", 1)[0] for f in sorted((v1 / folder).glob("*.py"))
+                         for line in f.read_text().splitlines())
+        read = set(bare.findall(code))
+        # MoRIIO's own __init__ fills handshake_port / notify_port when absent, but
+        # moriio_common reads all three bare; the table requires every one
+        assert read <= set(REQUIRED_EXTRA.get(connector, ())), (connector, read)
+        assert set(REQUIRED_EXTRA.get(connector, ())) <= read, connector
+    assert "http_port" in REQUIRED_EXTRA["MoRIIOConnector"]
+
+
 def test_gpu_topologies_plan() -> None:
     pd = load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml")
     prefill = plan_node(pd, NodeId("prefill", 0), "/py", Path("/l"), None).argv
     assert '"kv_connector":"MoRIIOConnector"' in prefill[prefill.index("--kv-transfer-config") + 1]
+    assert '"http_port":8100' in prefill[prefill.index("--kv-transfer-config") + 1]
     proxy = plan_node(pd, NodeId("proxy", 0), "/py", Path("/l"), None).argv
-    assert proxy[1:3] == ("-m", "m3patch.cluster.proxy")
+    assert proxy[0].endswith("/vllm-router") and "--vllm-pd-disaggregation" in proxy
+    assert proxy[proxy.index("--kv-connector") + 1] == "moriio"  # the router's MoRIIO handshake
+    assert proxy[proxy.index("--worker-startup-timeout-secs") + 1] == "3600"
     assert proxy[proxy.index("--prefill") + 1] == "http://<prefill/0-address>:8100"
     assert proxy[proxy.index("--decode") + 1] == "http://<decode/0-address>:8200"
     ep = load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml")
