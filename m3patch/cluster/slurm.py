@@ -15,9 +15,9 @@ with its own log (`RUN/logs/task-%t.out`). What a GPU cluster needs is in the jo
   `M3PATCH_SRUN_ARGS` (e.g. pyxis' `--container-image=...`) and define `m3patch_exec` to wrap a
   command in the site's container runtime (e.g. `apptainer exec IMG`). The node commands and the
   sweep both run through `m3patch_exec`;
-- the head's address: M3PATCH_HEAD_ADDR when the site exports it, else the head task's host name,
-  which the head resolves on itself (and refuses when it is not one of its own addresses); the
-  sweep reaches the head at the IP the head published in its record.
+- the head's address: M3PATCH_HEAD_ADDR when the site exports it, else the head node's NodeAddr
+  (what Slurm itself reaches it at), which the head resolves on itself (and refuses when it is
+  not one of its own addresses); the sweep reaches the head at the IP the head published.
 The job's output folder (`RUN/logs`) must exist before sbatch: `serve --write-sbatch` creates it.
 """
 
@@ -90,7 +90,10 @@ M3PATCH_CMD="${{M3PATCH_CMD:-m3patch}}"   # e.g. "python -m m3patch" in a checko
 M3PATCH_SET_ID="${{M3PATCH_SET_ID:-slurm-$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}}}"
 # The head runs as the last task, on the last host of the allocation (block distribution).
 HEAD_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n {len(table)}p)
-M3PATCH_HEAD_ADDR="${{M3PATCH_HEAD_ADDR:-$HEAD_HOST}}"
+# The head's address: the site's, else the NodeAddr Slurm itself reaches that node at (the node
+# name may not resolve, or resolve to another interface); the head resolves it on itself.
+HEAD_NODEADDR=$(scontrol show node "$HEAD_HOST" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+M3PATCH_HEAD_ADDR="${{M3PATCH_HEAD_ADDR:-${{HEAD_NODEADDR:-$HEAD_HOST}}}}"
 M3PATCH_SRUN_ARGS="${{M3PATCH_SRUN_ARGS:-}}"
 export RUN RECIPE M3PATCH_CMD M3PATCH_SET_ID M3PATCH_HEAD_ADDR
 # Site hook: may set M3PATCH_SRUN_ARGS (pyxis) and define m3patch_exec (apptainer, ...).
