@@ -34,6 +34,7 @@ from pathlib import Path
 
 from m3patch.cluster import network
 from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.fingerprint import node_fingerprint
 from m3patch.cluster.node_plan import NodePlan, node_log, node_port, plan_node, require_topology
 from m3patch.cluster.shm import ShmTracker
 from m3patch.errors import (
@@ -75,6 +76,7 @@ class NodeRun:
         self.series = load_series(recipe.series_dir).id
         self.ledger: str | None = None
         self.tree: str | None = None  # rendezvous.tree_sha256 of the ledger
+        self.fingerprint: dict[str, str] = {}  # m3patch.cluster.fingerprint; {} for the router
         self.net: network.NodeNetwork | None = None
         self.plan: NodePlan | None = None
         self.supervisor: Supervisor | None = None
@@ -96,7 +98,7 @@ class NodeRun:
             host=socket.gethostname(), address=None if self.net is None else self.net.address,
             pid=os.getpid(), pgid=pgid, series=self.series if self.role.runs_vllm else None,
             ledger_sha256=self.ledger, tree_sha256=self.tree, verified=verified, state=state,
-            exit_code=exit_code, reason=reason))
+            exit_code=exit_code, reason=reason, fingerprint=self.fingerprint))
 
     def _beat(self) -> None:
         if time.monotonic() - self.last_beat >= rv.HEARTBEAT_S:
@@ -146,11 +148,13 @@ class NodeRun:
         if self.node == self.topo.head:
             self.net = network.head_network(self.topo.network, self.topo.address)
         if self.role.runs_vllm:
-            require_present(self.recipe)
+            found = require_present(self.recipe)
             ensured = ensure_tree(self.recipe, self.python)
             info(ensured.report.summary().removeprefix("m3patch: "))
             self.ledger = ensured.ledger_sha256
             self.tree = rv.tree_sha256(ensured.ledger_bytes, str(ensured.tree.root))
+            self.fingerprint = node_fingerprint(self.recipe, ensured.tree.root,
+                                                ensured.tree.version, ensured.tree.commit, found)
         if self.net is None:
             self._publish("starting", verified=self.role.runs_vllm)  # joined, address unknown
             head = self._wait_joined((self.topo.head,))[self.topo.head]
@@ -260,7 +264,8 @@ class NodeRun:
             records = self._records()
         except ResultsInvalid:
             return  # a record being replaced; _wait_set reads every record strictly later
-        waiting = rv.compare(self._others(), records, self.series, self.tree, self.fix)
+        waiting = rv.compare(self._others(), records, self.series, self.tree, self.fix,
+                             self.fingerprint)
         if waiting and time.monotonic() >= self.started + self.recipe.deadlines.join_s:
             raise self._not_joined(waiting)
 
@@ -270,8 +275,8 @@ class NodeRun:
         deadline = time.monotonic() + self.recipe.deadlines.ready_s
         while True:
             records = self._records()
-            series, tree = self._reference(records)
-            absent = rv.compare(others, records, series, tree, self.fix)
+            series, tree, fingerprint = self._reference(records)
+            absent = rv.compare(others, records, series, tree, self.fix, fingerprint)
             if absent and time.monotonic() >= self.started + self.recipe.deadlines.join_s:
                 raise self._not_joined(absent)
             waiting = absent + [n for n in others if n in records and records[n].state != "ready"]
@@ -315,14 +320,16 @@ class NodeRun:
         except OSError:
             return False
 
-    def _reference(self, records: dict[NodeId, rv.NodeRecord]) -> tuple[str, str]:
-        """The head's own tree; the proxy (no tree) holds every node to the first vLLM node's."""
+    def _reference(self, records: dict[NodeId, rv.NodeRecord]
+                   ) -> tuple[str, str, dict[str, str]]:
+        """The head's own tree and fingerprint; the router (no tree) holds every node to the
+        first vLLM node's."""
         if self.tree is not None:
-            return self.series, self.tree
+            return self.series, self.tree, self.fingerprint
         for record in records.values():
             if record.series is not None and record.tree_sha256 is not None:
-                return self.series, record.tree_sha256
-        return self.series, "0" * 64
+                return self.series, record.tree_sha256, record.fingerprint
+        return self.series, "0" * 64, {}
 
     def _records_or_empty(self) -> dict[NodeId, rv.NodeRecord]:
         try:

@@ -35,7 +35,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,8 @@ class NodeRecord:
     exit_code: int | None = None
     reason: str = ""
     heartbeat: float = 0.0  # wall-clock time of the last write
+    # what else makes two nodes differ (m3patch.cluster.fingerprint); empty for the router
+    fingerprint: dict[str, str] = field(default_factory=dict)
 
     @property
     def node(self) -> NodeId:
@@ -136,6 +138,10 @@ def parse_record(data: dict[str, Any], where: str) -> NodeRecord:
     if pgid is not None and pgid <= 1:
         msg = f"{where}: pgid {pgid} is not a process group a node starts"
         raise ResultsInvalid(msg, hint=hint)
+    fingerprint = _field(data, "fingerprint", dict, where)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
+        msg = f"{where}: fingerprint holds a value that is not a string"
+        raise ResultsInvalid(msg, hint=hint)
     heartbeat = _field(data, "heartbeat", (int, float), where)
     if not 0 <= heartbeat < float("inf"):
         msg = f"{where}: heartbeat {heartbeat!r} is not a time"
@@ -154,7 +160,8 @@ def parse_record(data: dict[str, Any], where: str) -> NodeRecord:
         ledger_sha256=digests["ledger_sha256"], tree_sha256=digests["tree_sha256"],
         verified=_field(data, "verified", bool, where), state=state,
         exit_code=_field(data, "exit_code", (int, type(None)), where),
-        reason=_field(data, "reason", str, where), heartbeat=float(heartbeat))
+        reason=_field(data, "reason", str, where), heartbeat=float(heartbeat),
+        fingerprint=dict(fingerprint))
 
 
 def read_records(run_dir: Path, set_id: str,
@@ -235,9 +242,10 @@ def tree_sha256(ledger_bytes: bytes, where: str) -> str:
 
 
 def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], series: str,
-            tree: str, fix: str) -> list[NodeId]:
+            tree: str, fix: str, fingerprint: dict[str, str] | None = None) -> list[NodeId]:
     """Nodes that have not published yet; raises NodeMismatch for one that published another tree
-    and NodeLost for one that already exited."""
+    or another fingerprint field (vLLM version/commit, torch, GPU runtime, model, argv), and
+    NodeLost for one that already exited."""
     waiting = []
     for node in expected:
         record = records.get(node)
@@ -258,4 +266,11 @@ def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], ser
                    f"sha256:{record.tree_sha256}, the head runs {series} tree sha256:{tree}")
             raise NodeMismatch(msg, hint=f"make every node's tree the same series: {fix} "
                                          f"--role {node.role} --rank {node.rank} on that host")
+        for name, want in sorted((fingerprint or {}).items()):
+            got = record.fingerprint.get(name)
+            if got != want:
+                msg = (f"node {node} (host {record.host}) differs from the head in {name}: "
+                       f"{got!r} there, {want!r} on the head")
+                raise NodeMismatch(msg, hint="run every node from the same image, model snapshot "
+                                             f"and recipe; then: {fix}")
     return waiting

@@ -22,10 +22,12 @@ import yaml
 
 from m3patch.cluster import network
 from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.fingerprint import argv_sha256, model_identity, torch_versions
 from m3patch.cluster.local_launcher import LocalSet
 from m3patch.cluster.node_plan import plan_node
-from m3patch.errors import NodeAddress, ResultsInvalid, RunDirBusy
+from m3patch.errors import NodeAddress, NodeMismatch, ResultsInvalid, RunDirBusy
 from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.model_files import ModelNeed, Presence
 from m3patch.recipe.topology import Network, NodeId
 from m3patch.schema import SchemaError
 
@@ -279,3 +281,46 @@ def test_per_node_values_fill_in(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(SchemaError, match=r"@\{hostname\} is not a node value"):
         load_recipe(path)
+
+
+# ------------------------------------------------------------------ cross-node comparison
+
+
+def test_a_node_differing_in_any_fingerprint_field_is_named(tmp_path: Path) -> None:
+    head = {"vllm_version": "0.33.0+rocm700", "vllm_commit": "abc", "torch": "2.11.0",
+            "gpu_runtime": "rocm 7.0", "model": "r1 config.json sha256:00",
+            "argv_sha256": "ff"}
+    for name, other in (("vllm_commit", "abd"), ("gpu_runtime", "rocm 6.4"),
+                        ("model", "r2 config.json sha256:00"), ("argv_sha256", "fe")):
+        rv.publish(tmp_path, record("set-f", NODE, fingerprint={**head, name: other}))
+        records = rv.read_records(tmp_path, "set-f", NODES)
+        with pytest.raises(NodeMismatch, match=f"node node/0 .* differs from the head in {name}"):
+            rv.compare((NODE,), records, "vllm-0.32.0", DIGEST, "fix", head)
+    rv.publish(tmp_path, record("set-f", NODE, fingerprint=head))
+    assert rv.compare((NODE,), rv.read_records(tmp_path, "set-f", NODES), "vllm-0.32.0",
+                      DIGEST, "fix", head) == []
+
+
+def test_fingerprint_reads_torch_and_the_model_snapshot(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "version.py").write_text(
+        "from typing import Optional\n__version__ = '2.11.0+rocm7.0'\ndebug = False\n"
+        "cuda: Optional[str] = None\nhip: Optional[str] = '7.0.51831'\n")
+    assert torch_versions(site) == ("2.11.0+rocm7.0", "rocm 7.0.51831")
+    assert torch_versions(tmp_path / "none") == ("absent", "absent")
+    recipe = load_recipe(DP2)
+    snap = tmp_path / "models--x--y" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    need = ModelNeed("model", "model.source", "x/y", None, True)
+    print_ = model_identity((Presence(need, snap, None),))
+    assert print_.startswith("0123abcd config.json sha256:44136fa3")
+    # the argv hash ignores what is per node by design, not the recipe's own launch
+    assert argv_sha256(recipe) == argv_sha256(load_recipe(DP2))
+    data = yaml.safe_load(DP2.read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    data["vllm-args"]["max-model-len"] = 256
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(data))
+    assert argv_sha256(load_recipe(edited)) != argv_sha256(recipe)
