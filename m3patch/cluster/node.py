@@ -57,8 +57,9 @@ from m3patch.serving.supervisor import Supervisor
 
 POLL_S = 0.5
 WATCH_S = 1.0
-# A running node whose record has not changed for this long (its runner hung, or its host
-# went away without a word) is lost. Longer than rv.STALE_S: busy hosts beat late.
+# A running node whose record has not changed for this long past deadlines.request-s (its
+# runner hung, or its host went away without a word) is lost: a node beats between liveness
+# probes, and one probe may take up to request-s.
 SILENT_NODE_S = 60.0
 
 
@@ -354,7 +355,7 @@ class NodeRun:
             last = self.seen.get(node)
             if last is None or last[0] != record.heartbeat:
                 self.seen[node] = (record.heartbeat, now)
-            elif now - last[1] > SILENT_NODE_S:
+            elif now - last[1] > SILENT_NODE_S + self.recipe.deadlines.request_s:
                 msg = (f"node {node} (host {record.host}) stopped beating: its record has not "
                        f"changed for {now - last[1]:.0f} s; node {self.node} stops with it")
                 raise NodeLost(msg, hint=f"see node {node}'s log, then re-run the set: {self.fix}")
