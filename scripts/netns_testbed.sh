@@ -17,6 +17,7 @@ action="${1:?up|run|down}"; name="${2:?NAME}"
 down() {
     local n="$1" k pids
     for ((k = 0; k < n; k++)); do
+        ip link del "${name}v$k" 2>/dev/null || true  # its pair goes with it
         ip netns list | grep -qw "${name}$k" || continue
         # processes started in the namespace (ip netns del would leave them running)
         pids="$(ip netns pids "${name}$k" || true)"
@@ -29,6 +30,11 @@ down() {
         ip netns del "${name}$k"
     done
     ip link del "${name}b" 2>/dev/null || true
+    # a namespace's veth goes away shortly after the namespace: wait for it
+    for _ in $(seq 20); do
+        ip -o link | grep -q "${name}" || break
+        sleep 0.25
+    done
 }
 
 up() {

@@ -105,7 +105,11 @@ def plan_node(recipe: Recipe, node: NodeId, python: str, log_path: Path,
         return NodePlan(node, role, _proxy_plan(recipe, port, log_path, net, netenv, urls), True)
     base = plan_launch(recipe, python, port, log_path, ledger_sha256)
     dp = topo.dp_args(node, net.head_address) if role.kind in ("dp-head", "dp-headless") else ()
-    argv = (*_with_host(base.spec.argv, net.address), *role.vllm_args, *dp)
+    # vllm-router first asks every prefill and decode instance to render the request
+    # (/v1/completions/render), which vLLM serves only with --enable-scale-out: without it the
+    # render is refused (403) and ExampleConnector keyed every prompt's KV alike (found here).
+    pd = ("--enable-scale-out",) if role.kind in ("prefill", "decode") else ()
+    argv = (*_with_host(base.spec.argv, net.address), *role.vllm_args, *dp, *pd)
     overrides = tuple({**dict(base.env_overrides), **netenv}.items())
     env = {**base.spec.env, **netenv}
     markers = base.markers if role.serves_http else _without_provenance(base.markers)

@@ -59,7 +59,8 @@ ROUTER_CONNECTORS = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl",
                      "MooncakeConnector": "mooncake"}
 # m3patch writes these from the topology; a role setting them by hand would disagree with it.
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
-              "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
+              "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port", "host",
+              "enable-scale-out")
 DEFAULT_RPC_PORT = 13345
 DEFAULT_ADDRESS = "${M3PATCH_HEAD_ADDR}"  # no default: a set never falls back to loopback
 NETWORK_KEYS = ("interface", "address", "env")
@@ -250,7 +251,8 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         owned = sorted(set(raw_args) & set(OWNED_ARGS))
         if owned:
             msg = (f"{', '.join(owned)} is set by m3patch from the topology (roles, nodes, "
-                   "local-dp, address, rpc-port, port); remove it here")
+                   "local-dp, address, rpc-port, port, the node's address, the router); remove "
+                   "it here")
             raise SchemaError(msg)
         vllm_args = flatten_vllm_args(raw_args)
         connector = _connector(raw_args)

@@ -240,10 +240,10 @@ def test_pd_set_across_namespaces_through_vllm_router(
             assert record.address == bed.address(HOSTS[record.role]), record
             assert record.host == f"node{HOSTS[record.role]}"
         # the router runs with its backends at the addresses the nodes published
-        router_argv = Path(f"/proc/{proxy.pgid}/cmdline").read_bytes().split(b"\0")
-        assert any(arg.endswith(b"/vllm-router") for arg in router_argv[:2]), router_argv
-        assert f"http://{bed.address(0)}:8786".encode() in router_argv
-        assert f"http://{bed.address(1)}:8787".encode() in router_argv
+        router_log = (run_dir / "logs" / "proxy-0.log").read_text()
+        assert (f'Router ready | workers: ["http://{bed.address(0)}:8786", '
+                f'"http://{bed.address(1)}:8787"]') in router_log
+        assert f"Starting server on {bed.address(2)}:{PROXY_PORT}" in router_log
         for role, k in HOSTS.items():  # each serves on its own address only
             listens = [line.split()[3] for line in bed.run(k, ["ss", "-ltnH"]).stdout.splitlines()]
             assert f"{bed.address(k)}:{PORTS[role]}" in listens, (role, listens)

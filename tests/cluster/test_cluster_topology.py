@@ -207,6 +207,7 @@ def test_gpu_topologies_plan() -> None:
     prefill = plan_node(pd, NodeId("prefill", 0), "/py", Path("/l"), None).argv
     assert '"kv_connector":"MoRIIOConnector"' in prefill[prefill.index("--kv-transfer-config") + 1]
     assert '"http_port":8100' in prefill[prefill.index("--kv-transfer-config") + 1]
+    assert "--enable-scale-out" in prefill  # the router renders requests on the instances
     proxy = plan_node(pd, NodeId("proxy", 0), "/py", Path("/l"), None).argv
     assert proxy[0].endswith("/vllm-router") and "--vllm-pd-disaggregation" in proxy
     assert proxy[proxy.index("--kv-connector") + 1] == "moriio"  # the router's MoRIIO handshake
