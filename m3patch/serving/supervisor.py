@@ -165,7 +165,7 @@ class Supervisor:
 
     def _probe(self, deadline: float) -> bool:
         timeout = max(0.5, min(self.spec.request_deadline_s, deadline - time.monotonic()))
-        if _http(f"{self.spec.base_url}/health", None, min(timeout, 5.0)) is None:
+        if not _ok(f"{self.spec.base_url}/health", min(timeout, 5.0)):
             return False
         body = {"model": self.spec.served_model, "prompt": "m3patch readiness probe",
                 "max_tokens": 4, "temperature": 0}
@@ -219,6 +219,15 @@ def _require_free_port(base_url: str) -> None:
             return
     msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
     raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
+
+
+def _ok(url: str, timeout: float) -> bool:
+    """GET answered 200, whatever the body (vLLM's /health is empty, vllm-router's plain text)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _http(url: str, body: dict[str, object] | None, timeout: float) -> dict[str, object] | None:
