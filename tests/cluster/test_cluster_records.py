@@ -15,17 +15,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from m3patch.cluster import network
+from m3patch.cluster import node as node_module
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.fingerprint import argv_sha256, model_identity, torch_versions
 from m3patch.cluster.local_launcher import LocalSet
 from m3patch.cluster.node_plan import plan_node
-from m3patch.errors import NodeAddress, NodeMismatch, ResultsInvalid, RunDirBusy
+from m3patch.errors import NodeAddress, NodeLost, NodeMismatch, ResultsInvalid, RunDirBusy
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.model_files import ModelNeed, Presence
 from m3patch.recipe.topology import Network, NodeId
@@ -324,3 +326,20 @@ def test_fingerprint_reads_torch_and_the_model_snapshot(tmp_path: Path) -> None:
     edited = tmp_path / "edited.yaml"
     edited.write_text(yaml.safe_dump(data))
     assert argv_sha256(load_recipe(edited)) != argv_sha256(recipe)
+
+
+def test_a_node_whose_record_stops_beating_is_lost(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Judged on this host's clock by whether the record changes, not by the other host's
+    wall time: a node that beats with a skewed clock is alive, a silent one is lost."""
+    monkeypatch.setattr(node_module, "SILENT_NODE_S", 0.2)
+    recipe = load_recipe(DP2)
+    fast = replace(recipe, deadlines=replace(recipe.deadlines, request_s=0.1))
+    runner = node_module.NodeRun(fast, HEAD, tmp_path, "/py", "set-b")
+    skewed = {NODE: record("set-b", NODE, heartbeat=10.0)}  # ten seconds after 1970: skewed
+    runner._raise_if_other_silent(skewed)
+    time.sleep(0.2)
+    runner._raise_if_other_silent({NODE: record("set-b", NODE, heartbeat=11.0)})  # it beat
+    time.sleep(0.4)
+    with pytest.raises(NodeLost, match=r"node node/0 .* stopped beating"):
+        runner._raise_if_other_silent({NODE: record("set-b", NODE, heartbeat=11.0)})
