@@ -260,7 +260,11 @@ def test_pd_set_across_namespaces_through_vllm_router(
         via_router, _ = complete(PROXY_PORT, prompt, host=router)
         direct, _ = complete(8787, prompt, host=bed.address(1))
         assert via_router["choices"][0]["text"] == direct["choices"][0]["text"]
-        decode_log = (run_dir / "logs" / "decode-0.log").read_text()
+        for _ in range(50):  # the engine's log line reaches the file a moment after the reply
+            decode_log = (run_dir / "logs" / "decode-0.log").read_text()
+            if len(INJECTED.findall(decode_log)) > loads_before:
+                break
+            time.sleep(0.1)
         assert len(INJECTED.findall(decode_log)) > loads_before
         # streaming works through the router (the sweep's client always streams)
         pieces = stream(f"http://{router}:{PROXY_PORT}", PROMPTS[1])
