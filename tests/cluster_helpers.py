@@ -13,7 +13,7 @@ from m3patch.cluster import rendezvous as rv
 from m3patch.recipe.topology import NodeId
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "netns_testbed.sh"
+SCRIPT = REPO / "scripts" / "testbed" / "netns_testbed.sh"
 
 
 def only_set(run_dir: Path) -> str:

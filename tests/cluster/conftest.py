@@ -1,4 +1,4 @@
-"""The multi-host test bed (scripts/netns_testbed.sh): network namespaces on a bridge, each a
+"""The multi-host test bed (scripts/testbed/netns_testbed.sh): network namespaces on a bridge, each a
 "host" with its own address, hostname and loopback, no route anywhere else. Torn down even when
 the test fails; the fixture then checks that no namespace or link of it is left.
 
@@ -69,12 +69,12 @@ def netns_bed() -> Iterator[Bed]:
 
 @pytest.fixture(scope="session")
 def router_venv() -> Path:
-    """The vllm-router venv (scripts/setup_router.sh). Skipped only with M3PATCH_SKIP_SERVE=1;
+    """The vllm-router venv (scripts/setup/setup_router.sh). Skipped only with M3PATCH_SKIP_SERVE=1;
     missing is an error, since scripts/test.sh installs it."""
     if os.environ.get("M3PATCH_SKIP_SERVE") == "1":
         pytest.skip("M3PATCH_SKIP_SERVE=1")
     venv = Path(os.environ.get("M3PATCH_ROUTER_VENV",
                                Path.home() / ".cache" / "m3patch" / "vllm-router-venv"))
     if not (venv / "bin" / "vllm-router").is_file():
-        pytest.fail(f"no vllm-router at {venv}: run scripts/setup_router.sh {venv}")
+        pytest.fail(f"no vllm-router at {venv}: run scripts/setup/setup_router.sh {venv}")
     return venv

@@ -1,5 +1,5 @@
 """The Slurm launcher for real: a two-node cluster across network namespaces (Debian slurm-wlm +
-munge, scripts/slurm_netns.sh: one slurmd per namespace of the test bed, NodeAddr its address),
+munge, scripts/testbed/slurm_netns.sh: one slurmd per namespace of the test bed, NodeAddr its address),
 the DP recipe's sbatch job as `serve --write-sbatch` writes it (no folder made by hand; one
 `serve --role/--rank` task per node, `srun --kill-on-bad-exit`), the nodes on their own
 addresses, a request from the machine through the head's address, and a killed node ending the
@@ -73,7 +73,7 @@ def slurm(tmp_path: Path, netns_bed: Bed) -> Iterator[dict[str, str]]:
                "apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
         absent("the Slurm cluster needs root (slurmd, cgroups)")
-    script = REPO / "scripts" / "slurm_netns.sh"
+    script = REPO / "scripts" / "testbed" / "slurm_netns.sh"
     try:
         start = subprocess.run(["bash", str(script), "start", str(tmp_path / "slurm"),
                                 netns_bed.name, netns_bed.subnet],
