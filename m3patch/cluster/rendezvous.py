@@ -46,6 +46,7 @@ from m3patch.serving.processes import group_members
 
 SCHEMA = 3
 SET_ID_VAR = "M3PATCH_SET_ID"
+UNKNOWN = ("absent", "unknown", "unreadable")  # a fingerprint field a node could not read
 HEARTBEAT_S = 5.0
 # A record not rewritten for this long belongs to a set that is gone (killed, its host lost).
 STALE_S = 20.0
@@ -268,6 +269,8 @@ def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], ser
                                          f"--role {node.role} --rank {node.rank} on that host")
         for name, want in sorted((fingerprint or {}).items()):
             got = record.fingerprint.get(name)
+            if got in UNKNOWN or want in UNKNOWN:
+                continue  # e.g. torch not beside a --vllm-root tree: unknown, not different
             if got != want:
                 msg = (f"node {node} (host {record.host}) differs from the head in {name}: "
                        f"{got!r} there, {want!r} on the head")

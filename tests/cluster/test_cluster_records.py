@@ -301,6 +301,10 @@ def test_a_node_differing_in_any_fingerprint_field_is_named(tmp_path: Path) -> N
     rv.publish(tmp_path, record("set-f", NODE, fingerprint=head))
     assert rv.compare((NODE,), rv.read_records(tmp_path, "set-f", NODES), "vllm-0.32.0",
                       DIGEST, "fix", head) == []
+    # a field one node could not read (torch not beside its tree) is unknown, not different
+    rv.publish(tmp_path, record("set-f", NODE, fingerprint={**head, "torch": "absent"}))
+    assert rv.compare((NODE,), rv.read_records(tmp_path, "set-f", NODES), "vllm-0.32.0",
+                      DIGEST, "fix", head) == []
 
 
 def test_fingerprint_reads_torch_and_the_model_snapshot(tmp_path: Path) -> None:
