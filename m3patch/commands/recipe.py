@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch.bench.cells import AgenticCell, Cell
 from m3patch.bench.spec import recipe_cells
+from m3patch.cluster.network import IFNAME_VARS
 from m3patch.cluster.node_plan import plan_set
 from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
@@ -106,13 +107,14 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
                                located=checked.tree if checked is not None else None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
-    if recipe.topology is not None:
-        print("# a multi-node set: the single-server base below; each node's own command follows it")
     if checked is not None:
         print(f"# launch checked by {checked.checked_by}")
-    print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
-    print("  " + shlex.join(plan.spec.argv))
-    print("\n".join(marker_lines(plan.markers)))
+    if recipe.topology is not None:
+        print("# a multi-node set: each node's own command, env and gate follow the sweep")
+    else:
+        print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
+        print("  " + shlex.join(plan.spec.argv))
+        print("\n".join(marker_lines(plan.markers)))
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
@@ -142,8 +144,16 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
     """Every node of the set: its `serve --role/--rank` command, argv, env and gate."""
     assert recipe.topology is not None
     topo = recipe.topology
-    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous RUN/nodes/*.json"
-           + (f"; DP size {topo.dp_size}, address {topo.address}:{topo.rpc_port}" if topo.is_dp else "")]
+    net = topo.network
+    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous "
+           "RUN/nodes/<set-id>/*.json" + (f"; DP size {topo.dp_size}, RPC port {topo.rpc_port}"
+                                          if topo.is_dp else ""),
+           f"network: head address {topo.address!r} (topology.address), resolved to an IP on the "
+           "head at start; every other node takes that IP from the head's record",
+           f"network: node address {net.address!r} (auto: VLLM_HOST_IP if exported, else the "
+           f"source address of the route to the head); interface {net.interface!r} (auto: the "
+           f"one holding the node's address) -> {', '.join(IFNAME_VARS)}"]
+    out += [f"network: env {k}={shlex.quote(v)}" for k, v in net.env]
     for plan in plan_set(recipe, python, recipe.results_dir / "<run>"):
         role = plan.role
         workers = (f"local DP {role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) "

@@ -25,7 +25,7 @@ from m3patch.recipe.launch import Parallelism, flatten_vllm_args
 from m3patch.recipe.paths import expand
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
 from m3patch.recipe.target import ModelSpec, Target
-from m3patch.recipe.topology import Topology, topology
+from m3patch.recipe.topology import Topology, check_placeholders, topology
 from m3patch.schema import SchemaError, at_key, check_keys, expect_mapping, expect_str, in_file
 from m3patch.shipped import shipped_dir
 from m3patch.yamlio import load_yaml_file
@@ -118,6 +118,13 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
             raise SchemaError(msg)
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)
+    env = _section(data, "env", launch.env)
+    with at_key("env"):
+        if nodes is not None:
+            check_placeholders(env)  # a node fills in its own @{address}, @{interface}, ...
+        elif any("@{" in value for _key, value in env):
+            msg = "@{...} node values exist only in a recipe with a `topology:` section"
+            raise SchemaError(msg)
     if nodes is not None:
         _check_topology_fits(data, parallel, marker_gates.counts)
     return Recipe(
@@ -125,7 +132,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         target=_section(data, "target", served.target), series_dir=series_dir, model=model,
         host=host, port=port, parallelism=parallel,
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
-        env=_section(data, "env", launch.env), speculative_json=spec_json,
+        env=env, speculative_json=spec_json,
         sweep=swept, markers=marker_gates.markers, marker_counts=marker_gates.counts,
         marker_waivers=marker_gates.waivers,
         deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,

@@ -179,12 +179,24 @@ class Supervisor:
 
     def _probe(self, deadline: float) -> bool:
         timeout = max(0.5, min(self.spec.request_deadline_s, deadline - time.monotonic()))
-        if _http(f"{self.spec.base_url}/health", None, min(timeout, 5.0)) is None:
+        if not _ok(f"{self.spec.base_url}/health", min(timeout, 5.0)):
             return False
         body = {"model": self.spec.served_model, "prompt": "m3patch readiness probe",
                 "max_tokens": 4, "temperature": 0}
         reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout)
         return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
+    def complete(self, prompt: str, timeout_s: float) -> bool:
+        """One 4-token greedy completion of `prompt`; whether it came back with a choice."""
+        body = {"model": self.spec.served_model, "prompt": prompt, "max_tokens": 4,
+                "temperature": 0}
+        reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout_s)
+        return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
+    def answers(self, timeout_s: float) -> bool:
+        """One liveness probe: /health and a 4-token greedy completion, each bounded by
+        `timeout_s`. A hung engine keeps /health at 200; only a completion shows it."""
+        return self._probe(time.monotonic() + timeout_s)
 
     def check_alive(self) -> None:
         """During a sweep: a forbidden marker or a dead server ends the run."""
@@ -223,6 +235,15 @@ def _require_free_port(base_url: str) -> None:
             return
     msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
     raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
+
+
+def _ok(url: str, timeout: float) -> bool:
+    """GET answered 200, whatever the body (vLLM's /health is empty, vllm-router's plain text)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _http(url: str, body: dict[str, object] | None, timeout: float) -> dict[str, object] | None:
