@@ -9,7 +9,7 @@
 floor (the recipe's per-task `baseline:` / `max-drop:`, given for this run only): score the
 unpatched or known-good server once, then the candidate against it.
 
-Runs lm-evaluation-harness (its own venv: scripts/setup_lm_eval.sh, or eval.python) for every
+Runs lm-evaluation-harness (its own venv: scripts/setup/setup_lm_eval.sh, or eval.python) for every
 task of the recipe's `eval:` section; writes RUN/eval/eval.json (scores, sample counts, floors,
 provenance) beside the harness's own files; exits 20 when a score is under its floor, 21 when
 no score could be read. `serve --bench` and `ci` run the same step inside the run pipeline.
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from m3patch.bench import spec as bench_spec
 from m3patch.bench.runner import health_probe
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import UsageError
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import evaluate, preflight
@@ -39,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server to evaluate (default: the recipe's server host:port)")
     parser.add_argument("--run-dir", type=Path,
                         help="where eval/ goes (default: RESULTS/eval-TIME under the recipe's results)")
-    parser.add_argument("--lm-eval-python", metavar="PATH",
-                        help="lm-eval's interpreter (default: the recipe's eval.python)")
+    add_python_flag(parser, what="lm-eval's interpreter (default: the recipe's eval.python); "
+                                 "--lm-eval-python is its older spelling",
+                    aliases=("--lm-eval-python",))
     parser.add_argument("--baseline", type=Path, metavar="FILE",
                         help="an earlier run's eval/eval.json (or a harness results file): every "
                              "task fails when it scores more than its max-drop below it")
@@ -55,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         msg = f"{recipe.path}: no eval section; nothing to gate on"
         raise UsageError(msg, hint="add eval: tasks: [...] to the recipe (README: accuracy gate)")
     spec = recipe.eval
-    if args.lm_eval_python:
-        spec = dataclasses.replace(spec, python=args.lm_eval_python)
+    if args.python:
+        spec = dataclasses.replace(spec, python=args.python)
     spec = with_baseline(spec, args.baseline, args.max_drop)
     preflight(spec, recipe.path)
     base_url = (args.url or f"http://{recipe.host}:{recipe.port}").rstrip("/")

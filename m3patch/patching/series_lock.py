@@ -11,22 +11,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from m3patch import __version__
 from m3patch.errors import UsageError
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import read_json, write_bytes_atomic, write_json_atomic
 from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
 from m3patch.patching.ledger import SHA256_RE, digest
 from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.parse_cache import parsed
 
 if TYPE_CHECKING:
     from m3patch.patching.diffs import PatchFile
-    from m3patch.patching.series import Series
 
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
+CLI_SPEC = "vllm-cli.json"  # the target vLLM's `vllm serve` options and env names (serving.cli_spec)
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,50 @@ class PatchPin:
 
 
 @dataclass(frozen=True)
+class SpecPin:
+    """The series' launch spec file and the sha256 `series lock` wrote it with."""
+
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class SeriesLock:
     series_id: str
     target_version: str
     target_commit: str | None
     patches: tuple[PatchPin, ...]
+    cli_spec: SpecPin | None = None  # None: locked without one (`series lock --no-cli-spec`)
 
     def pin(self, patch_id: str) -> PatchPin:
         return next(p for p in self.patches if p.id == patch_id)
+
+
+class EntryLike(Protocol):
+    """What the lock needs of a series.yaml entry (patching.series.PatchEntry)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def file(self) -> str: ...
+
+
+class SeriesLike(Protocol):
+    """What the lock needs of a loaded series (patching.series.Series). A protocol rather than
+    the class: series.py reads the lock through this module, so importing it back would make
+    the two modules import each other."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def directory(self) -> Path: ...
+    @property
+    def target_version(self) -> str: ...
+    @property
+    def target_commit(self) -> str | None: ...
+    @property
+    def patches(self) -> Sequence[EntryLike]: ...
+    def require_lock(self) -> SeriesLock: ...
 
 
 def relock_hint(directory: Path) -> str:
@@ -99,10 +136,19 @@ def read_lock(path: Path) -> SeriesLock:
         _check_chains(pins)
         target = raw["target"]
         return SeriesLock(str(raw["series"]), str(target["vllm-version"]),
-                          target.get("commit"), pins)
+                          target.get("commit"), pins, _spec_pin(raw.get("cli-spec")))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         msg = f"{path}: unreadable lock ({type(exc).__name__}: {exc})"
         raise UsageError(msg, hint=hint) from None
+
+
+def _spec_pin(raw: Any) -> SpecPin | None:
+    if raw is None:
+        return None
+    if raw.get("file") != CLI_SPEC:  # a fixed name: the lock never points outside its folder
+        msg = f"cli-spec file {raw.get('file')!r} is not {CLI_SPEC!r}"
+        raise ValueError(msg)
+    return SpecPin(CLI_SPEC, str(_sha(raw["sha256"], "cli-spec sha256", optional=False)))
 
 
 def _check_chains(pins: Sequence[PatchPin]) -> None:
@@ -117,7 +163,7 @@ def _check_chains(pins: Sequence[PatchPin]) -> None:
             last[file.path] = file.post
 
 
-def check_lock_matches(lock: SeriesLock, series: Series, path: Path) -> None:
+def check_lock_matches(lock: SeriesLock, series: SeriesLike, path: Path) -> None:
     manifest = [(p.id, p.file) for p in series.patches]
     locked = [(p.id, p.file) for p in lock.patches]
     same_target = (lock.target_version, lock.target_commit) == (
@@ -146,10 +192,12 @@ def compute_pins(patches: Sequence[tuple[str, PatchFile, str]],
     return tuple(pins)
 
 
-def _lock_body(series: Series, tree: VllmTree, pins: Sequence[PatchPin]) -> dict[str, Any]:
+def _lock_body(series: SeriesLike, tree: VllmTree, pins: Sequence[PatchPin],
+               spec: SpecPin | None) -> dict[str, Any]:
     return {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
             "target": {"vllm-version": series.target_version, "commit": series.target_commit},
             "pinned-from": tree.version + (f" (commit {tree.commit})" if tree.commit else ""),
+            **({} if spec is None else {"cli-spec": {"file": spec.file, "sha256": spec.sha256}}),
             "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
                          "files": [{"path": f.path, "pre": f.pre, "post": f.post}
                                    for f in p.files]} for p in pins]}
@@ -162,21 +210,27 @@ class LockWritten:
     files: int
 
 
-def lock_series(series: Series, tree: VllmTree) -> LockWritten:
-    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json."""
+def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
+    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json;
+    with `cli_spec` (the launch spec generated from the same tree) write it and pin its hash."""
     check_target(tree, series.target_version, series.target_commit)
     patches = []
     for entry in series.patches:
-        data = series.patch_path(entry).read_bytes()
-        patches.append((entry.id, parse_patch(data, str(series.patch_path(entry))), digest(data)))
+        path = series.directory / entry.file
+        data = path.read_bytes()
+        patches.append((entry.id, parse_patch(data, str(path)), digest(data)))
     paths = sorted({fp.path for _, patch, _ in patches for fp in patch.files})
     pristine = {}
     for rel in paths:
         target = safe_target(tree.root, rel)
         pristine[rel] = target.read_bytes() if target.is_file() else None
     pins = compute_pins(patches, pristine)
+    spec = None
+    if cli_spec is not None:
+        write_bytes_atomic(series.directory / CLI_SPEC, cli_spec)
+        spec = SpecPin(CLI_SPEC, digest(cli_spec))
     path = series.directory / LOCK
-    write_json_atomic(path, _lock_body(series, tree, pins))
+    write_json_atomic(path, _lock_body(series, tree, pins, spec))
     return LockWritten(path, len(pins), len(paths))
 
 
@@ -184,17 +238,17 @@ def lock_series(series: Series, tree: VllmTree) -> LockWritten:
 
 @dataclass(frozen=True)
 class Pinned:
-    series: Series
+    series: SeriesLike
     hashes: dict[str, tuple[str | None, ...]]  # per file: pristine, then after each patch on it
     raw: dict[str, bytes]  # per patch id: the .patch bytes, read once and checked against the lock
 
 
-def pinned(series: Series) -> Pinned:
+def pinned(series: SeriesLike) -> Pinned:
     """The lock's chain of hashes per file; refuses a patch edited since `series lock`."""
     lock = series.require_lock()
     raw = {}
     for entry in series.patches:
-        path = series.patch_path(entry)
+        path = (series.directory / entry.file)
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -211,10 +265,17 @@ def pinned(series: Series) -> Pinned:
     return Pinned(series, {p: tuple(h) for p, h in hashes.items()}, raw)
 
 
-def load_patches(series: Series, raw: Mapping[str, bytes] | None = None,
+def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
                  ) -> tuple[tuple[PatchFile, PatchPin], ...]:
     """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
     raw = pinned(series).raw if raw is None else raw
     lock = series.require_lock()
-    return tuple((parse_patch(raw[e.id], str(series.patch_path(e))), lock.pin(e.id))
-                 for e in series.patches)
+    out = []
+    for entry in series.patches:
+        pin = lock.pin(entry.id)
+        data = raw[entry.id]
+        if digest(data) != pin.sha256:  # the memo's key must name exactly these bytes
+            msg = f"{series.directory / entry.file}: changed since series.lock.json was generated"
+            raise UsageError(msg, hint=relock_hint(series.directory))
+        out.append((parsed(data, str(series.directory / entry.file), pin.sha256), pin))
+    return tuple(out)

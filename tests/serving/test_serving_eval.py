@@ -1,6 +1,6 @@
 """The accuracy gate for real: lm-eval (its own venv) against `vllm serve` of the tiny model.
 
-The tiny model is trained to add (scripts/make_tiny_model.py), so the shipped floor means
+The tiny model is trained to add (scripts/setup/make_tiny_model.py), so the shipped floor means
 something: a series whose CPU MoE kernel routes tokens to the wrong experts (test data, every
 marker kept) passes the marker gate and fails `ci` with exit 20 after the sweep, the real series
 passes the same run, and `eval --baseline ... --max-drop` fails the wrong kernel against the
