@@ -29,6 +29,9 @@ IMAGE_ENV = "M3PATCH_IMAGE"
 # (vllm-cpu.md §4) and tokenizes every prompt up front; this covers both on slow machines.
 CLIENT_STARTUP_S = 120.0
 SESSION_SERVER = "m3patch serve"
+# InferenceX's search spaces allow spec-decoding mtp | draft_model | none, and label its EAGLE3
+# runs (MiniMax-M3 with the EAGLE3 draft head) mtp.
+INFERENCEX_SPEC = {"eagle": "mtp", "eagle3": "mtp", "mtp": "mtp", "draft_model": "draft_model"}
 
 
 def parallelism_of(recipe: Recipe) -> Parallelism:
@@ -82,7 +85,30 @@ def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
 
 
 def image_of(recipe: Recipe) -> str | None:
-    return os.environ.get(IMAGE_ENV) or recipe.target.image
+    named = recipe.inferencex.image if recipe.inferencex else None
+    return os.environ.get(IMAGE_ENV) or recipe.target.image or named
+
+
+def inferencex_identity(recipe: Recipe) -> dict[str, Any]:
+    """InferenceX's identity of the recipe's results, as provenance keys (docs/inferencex-fields.md).
+
+    `spec_decoding` in InferenceX's vocabulary (mtp | draft_model | none: its EAGLE/EAGLE3 runs
+    are labelled mtp); m3patch's own `speculative_method` keeps the method vLLM ran."""
+    ident = recipe.inferencex
+    method = speculative_method(recipe)
+    raw = dict(recipe.vllm_args_raw)
+    return {
+        "hw": ident.hw if ident else None, "precision": ident.precision if ident else None,
+        "infmax_model_prefix": ident.model_prefix if ident else None,
+        "framework": ident.framework if ident else None,
+        "spec_decoding": INFERENCEX_SPEC.get(method, method), "speculative_method": method,
+        "dcp_size": _size(raw.get("decode-context-parallel-size")),
+        "pcp_size": _size(raw.get("prefill-context-parallel-size")),
+    }  # fmt: skip
+
+
+def _size(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any]:
@@ -102,7 +128,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
         "gpu_count": parallelism_of(recipe).gpu_count,
         "vllm_version": tree.version, "vllm_commit": tree.commit, "vllm_root": str(tree.root),
         "series": None, "patches": [], "ledger_sha256": None, "server": server,
-        "verified": server == SESSION_SERVER, "spec_decoding": spec_decoding_of(recipe),
+        "verified": server == SESSION_SERVER, **inferencex_identity(recipe),
     }  # fmt: skip
     if ledger is None:
         return base
@@ -112,8 +138,8 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
     return base
 
 
-def spec_decoding_of(recipe: Recipe) -> str:
-    """InferenceX's `spec_decoding` value: "none", else the recipe's speculative method."""
+def speculative_method(recipe: Recipe) -> str:
+    """The recipe's speculative method as vLLM runs it, or "none"."""
     if recipe.speculative_json is None:
         return "none"
     method = json.loads(recipe.speculative_json).get("method")
