@@ -73,11 +73,6 @@ class SeqLen:
             return f"{self.isl // 1024}k{self.osl // 1024}k"
         return f"{self.isl}/{self.osl}"
 
-    @property
-    def max_model_len(self) -> int:
-        # InferenceX generate_sweep_configs.py: room for the prompt, the output and chat framing.
-        return self.isl + self.osl + 256
-
 
 @dataclass(frozen=True)
 class Cell:

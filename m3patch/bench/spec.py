@@ -76,12 +76,22 @@ def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
 
 def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
     cells = recipe_cells(recipe)
+    groups = server_groups(recipe, cells)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
         image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
-        cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
+        cells=cells, groups=tuple(g.cell_ids for g in groups),
+        group_max_model_lens=tuple(max_model_len_of(g.recipe.vllm_args) for g in groups),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip
+
+
+def max_model_len_of(argv: tuple[str, ...]) -> int | None:
+    """The --max-model-len a server's arguments give it (None: vLLM takes the model's own)."""
+    for index, arg in enumerate(argv[:-1]):
+        if arg == "--max-model-len" and argv[index + 1].isdigit():
+            return int(argv[index + 1])
+    return None
 
 
 def image_of(recipe: Recipe) -> str | None:

@@ -102,7 +102,10 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     host, port = _section(data, "server", launch.server)
     goal = _section(data, "target", served.target)
     platform = goal.platform
-    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu"))
+    stated = any(str(key).replace("_", "-") == "max-model-len"
+                 for key in expect_mapping(data.get("vllm-args", {})))
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu",
+                                            sized_by_recipe=stated or "topology" in data))
     check_lengths_fit(swept, data.get("vllm-args"))
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)

@@ -5,7 +5,9 @@ The spread is stated one of two ways: `inferencex-range-ratio: r` (InferenceX's 
 in [int(L*r), L]; GPU recipes default to 0.8, InferenceX's value, so their figures line up), or
 `range-ratio: r` (vLLM's client: [L(1-r), L(1+r)]). m3patch.recipe.lengths translates the first
 into vLLM's client flags. `client: chat` sends chat-completions requests (the server applies the
-model's chat template), as InferenceX's speculative-decoding runs did.
+model's chat template), as InferenceX's speculative-decoding runs did. `max-model-len: per-cell`
+gives each cell's server isl + osl + 256 (InferenceX's sizing, the GPU default when vllm-args
+states no max-model-len); `recipe` keeps the one value vllm-args states (or vLLM's own).
 
 Turning rows into benchmark cells (and the latency-point rule) is m3patch.bench.cells.sweep_cells.
 """
@@ -109,8 +111,10 @@ def _spread(data: dict[str, object], gpu: bool) -> tuple[float, str]:
     return ratio, VLLM
 
 
-def sweep(raw: object, *, gpu: bool = False) -> Sweep:
-    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8)."""
+def sweep(raw: object, *, gpu: bool = False, sized_by_recipe: bool = True) -> Sweep:
+    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8), and, unless
+    `sized_by_recipe` (vllm-args states max-model-len, or a multi-node topology), to InferenceX's
+    per-cell max-model-len (isl + osl + 256 for each cell's server)."""
     data = expect_mapping(raw)
     check_keys(data, required=("rows",), optional=(
         "prompts-per-concurrency", "warmups-per-concurrency", "range-ratio", INFERENCEX_KEY,
@@ -128,8 +132,10 @@ def sweep(raw: object, *, gpu: bool = False) -> Sweep:
         client = expect_choice(data.get("client", "completions"), ("completions", "chat"))
     with at_key("regions"):
         server_regions = regions(data.get("regions", []))
+    fits_per_cell = convention == INFERENCEX or ratio == 0
+    default = PER_CELL if gpu and not sized_by_recipe and fits_per_cell else "recipe"
     with at_key("max-model-len"):
-        per_cell = expect_choice(data.get("max-model-len", "recipe"), ("recipe", PER_CELL))
+        per_cell = expect_choice(data.get("max-model-len", default), ("recipe", PER_CELL))
         if per_cell == PER_CELL and convention == VLLM and ratio > 0:
             msg = ("per-cell max-model-len is isl + osl + 256, which vLLM's range-ratio > 0 "
                    f"overflows; use {INFERENCEX_KEY} (never above isl + osl)")
