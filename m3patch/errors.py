@@ -31,6 +31,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 37   | WaiverIncomplete      | `series waiver`: a series entry lacks why, upstream or drop-when |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -169,6 +170,13 @@ class OutputFailed(M3PatchError):
     exit_code = 27
 
 
+class WaiverIncomplete(M3PatchError):
+    """An InferenceX patch waiver cannot be written: a series entry states no why, upstream or
+    drop-when (the waiver's reason, links and removal plan)."""
+
+    exit_code = 37
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -180,5 +188,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
-    NodeLost, OutputFailed, Interrupted,
+    NodeLost, OutputFailed, WaiverIncomplete, Interrupted,
 )
