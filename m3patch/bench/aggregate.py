@@ -58,7 +58,9 @@ INFERENCEX_FIELDS = ("conc", "hw", "model", "infmax_model_prefix", "framework", 
                      "spec_decoding", "disagg", "is_multinode", "dcp_size", "pcp_size",
                      "recipe_fingerprint", "std_intvty")
 # m3patch's own beside them: the speculative method vLLM ran (InferenceX says mtp for EAGLE3).
-OWN_FIELDS = ("speculative_method",)
+# `isl_convention`: "chat-template" (the stated ISL includes the chat template the client applied,
+# InferenceX's --use-chat-template) or "prompt" (the prompt's own tokens; rows from before it).
+OWN_FIELDS = ("speculative_method", "isl_convention")
 # The single-node server m3patch starts is always vLLM, never disaggregated, never multi-node.
 FRAMEWORK = "vllm"
 # Where m3patch writes null (tokens reached the client in a burst or in clumps), InferenceX's
@@ -133,6 +135,7 @@ def inferencex_fields(
         # InferenceX copies DP_ATTENTION from the environment: the string "true" / "false".
         "dp_attention": "true" if cell.get("dp_attention") else "false",
         "speculative_method": prov.get("speculative_method"),
+        "isl_convention": cell.get("isl_convention") or "prompt",
     }  # fmt: skip
 
 

@@ -83,7 +83,7 @@ class Cell:
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY
     length_convention: str = VLLM  # how range_ratio reads (recipe.lengths): vLLM's or InferenceX's
-    chat: bool = False  # the client uses /v1/chat/completions (the server's chat template)
+    chat: bool = False  # the client applies the chat template; the ISL counts it (chat_prompts)
 
     @property
     def num_prompts(self) -> int:

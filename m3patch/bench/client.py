@@ -56,22 +56,31 @@ class ClientRun:
 
 
 def bench_argv(
-    target: BenchTarget, cell: Cell, result_dir: Path, result_filename: str, seed: int
+    target: BenchTarget, cell: Cell, result_dir: Path, result_filename: str, seed: int,
+    prompts: Path | None = None,
 ) -> list[str]:
-    """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape)."""
+    """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape).
+
+    A chat cell reads its prompt bodies from `prompts` (bench.chat_prompts): vLLM's client
+    applies the chat template and counts it in the ISL, as InferenceX's `--use-chat-template`."""
     conc = cell.concurrency
-    # Spec-decoding runs in InferenceX send chat requests: the server applies the chat template.
-    backend = (["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"] if cell.chat
-               else ["--backend", "vllm"])
-    lengths = client_lengths(cell.seq.isl, cell.seq.osl, cell.range_ratio, cell.length_convention)
+    if cell.chat:
+        if prompts is None:
+            msg = f"cell {cell.cell_id}: a chat cell needs its prompts file"
+            raise ValueError(msg)
+        dataset = ["--dataset-name", "custom", "--dataset-path", str(prompts),
+                   "--custom-output-len", "-1"]
+    else:
+        lengths = client_lengths(cell.seq.isl, cell.seq.osl, cell.range_ratio,
+                                 cell.length_convention)
+        dataset = ["--dataset-name", "random", *lengths.argv()]
     return [
         str(target.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        *backend,
+        "--backend", "vllm",
         "--base-url", target.base_url,
         "--model", target.served_model,
         "--tokenizer", target.tokenizer,
-        "--dataset-name", "random",
-        *lengths.argv(),
+        *dataset,
         "--ignore-eos",
         "--num-prompts", str(cell.num_prompts),
         "--num-warmups", str(cell.num_warmups),

@@ -19,8 +19,9 @@ from m3patch.bench.results import METRICS
 from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 # range_ratio too: another length distribution is another workload, not a speedup.
-SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "tp", "pp", "ep", "dp",
-                "dp_attention", "gpu_count")
+# isl_convention too: an ISL that counts the chat template is another input than one that does not.
+SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "isl_convention", "tp", "pp",
+                "ep", "dp", "dp_attention", "gpu_count")
 DEFAULT_METRIC = "tput_per_gpu"
 METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
@@ -66,7 +67,8 @@ class Comparison:
 
 def shape(row: dict[str, Any]) -> tuple[Any, ...]:
     # Rows written before the convention was recorded used vLLM's.
-    filled = {**row, "length_convention": row.get("length_convention") or VLLM}
+    filled = {**row, "length_convention": row.get("length_convention") or VLLM,
+              "isl_convention": row.get("isl_convention") or "prompt"}
     return tuple(filled[field] for field in SHAPE_FIELDS)
 
 
@@ -81,6 +83,8 @@ def describe(row: dict[str, Any]) -> str:
     ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
     if row.get("length_convention") == INFERENCEX:
         ratio += " InferenceX lengths"
+    if row.get("isl_convention") == "chat-template":
+        ratio += " ISL with chat template"
     return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 

@@ -63,8 +63,16 @@ def row_of(item: dict[str, Any], where: str, file: Path) -> dict[str, Any]:
         "pp": par.pp, "dp": par.dp, "dp_attention": par.dp_attention,
         "range_ratio": INFERENCEX_RANGE_RATIO, "length_convention": INFERENCEX,
         "concurrency": values["conc"], "gpu_count": gpus, "parallelism": par.label,
+        "isl_convention": isl_convention(item),
         "cell_id": f"inferencex-isl{values['isl']}-osl{values['osl']}-{par.slug}-c{values['conc']}",
     }  # fmt: skip
+
+
+def isl_convention(item: dict[str, Any]) -> str:
+    """InferenceX's speculative-decoding scripts must pass --use-chat-template (its AGENTS.md
+    and PR review rules): their ISL counts the chat template; the others' does not."""
+    spec = item.get("spec_decoding")
+    return "chat-template" if isinstance(spec, str) and spec.lower() not in ("", "none") else "prompt"
 
 
 def _integer(item: dict[str, Any], key: str, where: str, file: Path) -> int:

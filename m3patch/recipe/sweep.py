@@ -4,8 +4,9 @@ the length spread, checked against the launch's max-model-len.
 The spread is stated one of two ways: `inferencex-range-ratio: r` (InferenceX's client: lengths
 in [int(L*r), L]; GPU recipes default to 0.8, InferenceX's value, so their figures line up), or
 `range-ratio: r` (vLLM's client: [L(1-r), L(1+r)]). m3patch.recipe.lengths translates the first
-into vLLM's client flags. `client: chat` sends chat-completions requests (the server applies the
-model's chat template), as InferenceX's speculative-decoding runs did. `max-model-len: per-cell`
+into vLLM's client flags. `client: chat` counts the ISL with the model's chat template, which the
+client applies (InferenceX's `--use-chat-template`, its speculative-decoding runs;
+m3patch.bench.chat_prompts). `max-model-len: per-cell`
 gives each cell's server isl + osl + 256 (InferenceX's sizing, the GPU default when vllm-args
 states no max-model-len); `recipe` keeps the one value vllm-args states (or vLLM's own).
 
