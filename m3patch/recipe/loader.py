@@ -105,7 +105,8 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     stated = any(str(key).replace("_", "-") == "max-model-len"
                  for key in expect_mapping(data.get("vllm-args", {})))
     swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu",
-                                            sized_by_recipe=stated or "topology" in data))
+                                            sized_by_recipe=stated or "topology" in data,
+                                            speculative=spec_json is not None))
     check_lengths_fit(swept, data.get("vllm-args"))
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)

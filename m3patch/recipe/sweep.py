@@ -6,7 +6,7 @@ in [int(L*r), L]; GPU recipes default to 0.8, InferenceX's value, so their figur
 `range-ratio: r` (vLLM's client: [L(1-r), L(1+r)]). m3patch.recipe.lengths translates the first
 into vLLM's client flags. `client: chat` counts the ISL with the model's chat template, which the
 client applies (InferenceX's `--use-chat-template`, its speculative-decoding runs;
-m3patch.bench.chat_prompts). `max-model-len: per-cell`
+m3patch.bench.chat_prompts); the default for a recipe with a `speculative` section. `max-model-len: per-cell`
 gives each cell's server isl + osl + 256 (InferenceX's sizing, the GPU default when vllm-args
 states no max-model-len); `recipe` keeps the one value vllm-args states (or vLLM's own).
 
@@ -112,7 +112,8 @@ def _spread(data: dict[str, object], gpu: bool) -> tuple[float, str]:
     return ratio, VLLM
 
 
-def sweep(raw: object, *, gpu: bool = False, sized_by_recipe: bool = True) -> Sweep:
+def sweep(raw: object, *, gpu: bool = False, sized_by_recipe: bool = True,
+          speculative: bool = False) -> Sweep:
     """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8), and, unless
     `sized_by_recipe` (vllm-args states max-model-len, or a multi-node topology), to InferenceX's
     per-cell max-model-len (isl + osl + 256 for each cell's server)."""
@@ -130,7 +131,9 @@ def sweep(raw: object, *, gpu: bool = False, sized_by_recipe: bool = True) -> Sw
                 rows.append(_sweep_row(row))
     ratio, convention = _spread(data, gpu)
     with at_key("client"):
-        client = expect_choice(data.get("client", "completions"), ("completions", "chat"))
+        # InferenceX's speculative-decoding scripts must count the ISL with the chat template.
+        default = "chat" if speculative else "completions"
+        client = expect_choice(data.get("client", default), ("completions", "chat"))
     with at_key("regions"):
         server_regions = regions(data.get("regions", []))
     fits_per_cell = convention == INFERENCEX or ratio == 0
