@@ -73,10 +73,7 @@ def _waiver(args: argparse.Namespace, recipe: Recipe, series: Series, shown: str
         parsed = parse_patch(patch_path.read_bytes(), entry_.file)
         hunks = {f.path: len(f.hunks) for f in parsed.files}
         markers = tuple(m for m in entry_.markers if not m.platforms or platform in m.platforms)
-        patches.append(WaiverPatch(
-            entry_.id, entry_.file, entry_.summary, entry_.why, entry_.upstream,
-            entry_.drop_when, entry_.platforms, patch_files(pins[entry_.id].files, hunks),
-            markers))
+        patches.append(WaiverPatch(entry_, patch_files(pins[entry_.id].files, hunks), markers))
     return Waiver(
         pr=args.pr, config_entry=entry, master_config=master_config(platform), image=image,
         recipe=shown, platform=platform, series_id=series.id,

@@ -22,6 +22,7 @@ from typing import Any
 
 from m3patch.errors import WaiverIncomplete
 from m3patch.markers import MarkerSpec
+from m3patch.patching.series import PatchEntry
 
 REQUIRED = ("why", "upstream", "drop-when")
 _PR = re.compile(r"^https://github\.com/([^/]+/[^/]+)/(pull|issues)/(\d+)/?$")
@@ -37,13 +38,7 @@ class PatchedFile:
 
 @dataclass(frozen=True)
 class WaiverPatch:
-    id: str
-    file: str
-    summary: str
-    why: str
-    upstream: tuple[str, ...]
-    drop_when: str
-    platforms: tuple[str, ...]
+    entry: PatchEntry  # the manifest's: id, file, summary, why, upstream, drop-when, platforms
     files: tuple[PatchedFile, ...]
     markers: tuple[MarkerSpec, ...]  # the ones gated on the recipe's platform
 
@@ -130,7 +125,7 @@ def _config(w: Waiver) -> str:
     ]
     for patch in w.patches:
         for marker in patch.markers:
-            lines.append(f"  - {patch.id}: {marker.kind} `{marker.text}`")
+            lines.append(f"  - {patch.entry.id}: {marker.kind} `{marker.text}`")
     for marker in w.recipe_markers:
         lines.append(f"  - recipe: {marker.kind} `{marker.text}`")
     return "\n".join(lines) + "\n"
@@ -140,15 +135,15 @@ def _patched(w: Waiver) -> str:
     lines = ["## What is patched\n",
              "| Upstream PR/issue | What it changes | Notes |", "|---|---|---|"]
     for patch in w.patches:
-        upstream = ", ".join(upstream_label(u) for u in patch.upstream) or f"{patch.id} (local)"
-        gate = ", ".join(patch.platforms) or "all platforms"
+        upstream = ", ".join(upstream_label(u) for u in patch.entry.upstream) or f"{patch.entry.id} (local)"
+        gate = ", ".join(patch.entry.platforms) or "all platforms"
         hunks = sum(f.hunks for f in patch.files)
-        notes = (f"`{patch.file}`: {len(patch.files)} file(s), {hunks} hunk(s); active on "
-                 f"{gate}" + ("" if patch.upstream else "; no upstream PR"))
-        lines.append(f"| {upstream} | {_cell(patch.summary)} | {notes} |")
+        notes = (f"`{patch.entry.file}`: {len(patch.files)} file(s), {hunks} hunk(s); active on "
+                 f"{gate}" + ("" if patch.entry.upstream else "; no upstream PR"))
+        lines.append(f"| {upstream} | {_cell(patch.entry.summary)} | {notes} |")
     lines.append("\nPatched files and hunks (pre/post sha256 from `series.lock.json`):\n")
     for patch in w.patches:
-        lines.append(f"- **{patch.id}** (`{patch.file}`)")
+        lines.append(f"- **{patch.entry.id}** (`{patch.entry.file}`)")
         for file in patch.files:
             pre = file.pre[:12] if file.pre else "new file"
             post = file.post[:12] if file.post else "deleted"
@@ -159,21 +154,21 @@ def _patched(w: Waiver) -> str:
 def _why(w: Waiver) -> str:
     lines = ["## Why the unmodified upstream image cannot run this benchmark\n",
              f"On `{w.config_entry}` with the pinned `{w.image}`:\n"]
-    lines += [f"- **{p.id}**: {_one_line(p.why)}" for p in w.patches]
+    lines += [f"- **{p.entry.id}**: {_one_line(p.entry.why)}" for p in w.patches]
     return "\n".join(lines) + "\n"
 
 
 def _links(w: Waiver) -> str:
     lines = ["## Upstream PR / issue links\n"]
     for patch in w.patches:
-        links = ", ".join(patch.upstream) or "none: a local change with no upstream PR"
-        lines.append(f"- {patch.id}: {links}")
+        links = ", ".join(patch.entry.upstream) or "none: a local change with no upstream PR"
+        lines.append(f"- {patch.entry.id}: {links}")
     return "\n".join(lines) + "\n"
 
 
 def _removal(w: Waiver) -> str:
     lines = ["## Removal plan\n"]
-    lines += [f"- **{p.id}**: drop when {_one_line(p.drop_when)}." for p in w.patches]
+    lines += [f"- **{p.entry.id}**: drop when {_one_line(p.entry.drop_when)}." for p in w.patches]
     lines.append(
         f"\nWhen a patch's condition holds, remove it from `{w.series_id}` (series.yaml and its "
         f".patch), re-lock the series (`m3patch series lock`) and re-run the benchmark; when the "
