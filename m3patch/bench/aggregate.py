@@ -61,6 +61,7 @@ INFERENCEX_FIELDS = ("conc", "hw", "model", "infmax_model_prefix", "framework", 
 # `isl_convention`: "chat-template" (the stated ISL includes the chat template the client applied,
 # InferenceX's --use-chat-template) or "prompt" (the prompt's own tokens; rows from before it).
 OWN_FIELDS = ("speculative_method", "isl_convention")
+ISL_CONVENTIONS = ("chat-template", "prompt")
 # The single-node server m3patch starts is always vLLM, never disaggregated, never multi-node.
 FRAMEWORK = "vllm"
 # Where m3patch writes null (tokens reached the client in a burst or in clumps), InferenceX's
@@ -264,6 +265,10 @@ def _check_row(row: object, where: str, file: Path) -> None:
     for key in (*KEY_FIELDS, "tput_per_gpu", "median_intvty"):
         if key not in row and key != "length_convention":  # older aggregates: vLLM's
             raise invalid(file, f"{where}.{key}", "missing")
+    counted = row.get("isl_convention")
+    if counted is not None and counted not in ISL_CONVENTIONS:
+        raise invalid(file, f"{where}.isl_convention",
+                      f"expected one of {', '.join(ISL_CONVENTIONS)}, got {counted!r}")
     convention = row.get("length_convention")
     if convention is not None and convention not in CONVENTIONS:
         raise invalid(file, f"{where}.length_convention",

@@ -22,6 +22,7 @@ from m3patch.bench.cells import Cell, Parallelism, SeqLen
 from m3patch.bench.chat_prompts import write_prompts
 from m3patch.bench.client import BenchTarget, bench_argv
 from m3patch.bench.compare import compare_rows
+from m3patch.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "tests" / "data" / "bench" / "runs"
@@ -108,3 +109,14 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_a_malformed_isl_convention_exits_17_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = json.loads((RUNS / "base" / "aggregate.json").read_text())
+    data["rows"][0]["isl_convention"] = ["chat-template"]
+    bad = tmp_path / "aggregate.json"
+    bad.write_text(json.dumps(data))
+    assert main(["bench", "compare", str(RUNS / "base"), str(bad)]) == 17
+    assert "rows[0].isl_convention" in capsys.readouterr().err
