@@ -3,7 +3,9 @@
 A chat cell (`sweep.client: chat`, the speculative-decoding rows) counts its ISL with the model's
 chat template, as InferenceX's `--use-chat-template` runs do: vLLM's client reads the prompt
 bodies from this file (`--dataset-name custom`), applies the template, counts the templated
-prompt, and sends it as a completions prompt. The row records `isl_convention: chat-template`.
+prompt, and sends it as a completions prompt. The row records `isl_convention: chat-template`;
+`prompts/<cell>.json` beside the bodies keeps the template's token count and each prompt's
+length as InferenceX counts it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed
+from m3patch.fsio import write_json_atomic
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 
 PROBE = Path(__file__).with_name("chat_prompts_probe.py")
@@ -43,6 +46,8 @@ def write_prompts(python: Path, tokenizer: str, cell: Cell, seed: int, out: Path
                f"{tokenizer} (status {proc.returncode}):\n{tail}")
         raise BenchFailed(msg, hint=rerun)
     report: dict[str, Any] = json.loads(lines[-1][len(RESULT_PREFIX):])
+    # Beside the prompts: the template's tokens and each prompt's length, as InferenceX counts it.
+    write_json_atomic(out.with_suffix(".json"), report, error=BenchFailed)
     return report
 
 

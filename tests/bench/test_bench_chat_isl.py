@@ -1,7 +1,7 @@
 """Chat (speculative-decoding) cells count the ISL with the chat template, as InferenceX's
 `--use-chat-template` client does; the convention is in the row and compare keeps them apart.
 
-The probe and the real-server test use the embedded default's tokenizer and its chat template
+The real-server test uses the embedded default's tokenizer and its chat template
 (scripts/make_tiny_model.py); the server test reads the input count vLLM's client records, which
 is the server's own `usage.prompt_tokens` for every request.
 """
@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from m3patch.bench.cells import Cell, Parallelism, SeqLen
-from m3patch.bench.chat_prompts import write_prompts
 from m3patch.bench.client import BenchTarget, bench_argv
 from m3patch.bench.compare import compare_rows
 from m3patch.main import main
@@ -53,26 +52,6 @@ def test_compare_never_puts_a_chat_template_isl_beside_a_prompt_isl() -> None:
     assert len(compare_rows(chat, chat).compared) == len(rows)
 
 
-def test_the_prompts_count_the_template_into_the_stated_isl(
-    cpu_venv: Path, tiny_model: Path, tmp_path: Path
-) -> None:
-    # InferenceX's range for the body, [int(0.8 L'), L'] with L' = ISL - template; the prompt
-    # as sent (templated, counted as InferenceX's client counts it) is the body plus the template.
-    out = tmp_path / "p.jsonl"
-    python = cpu_venv / "bin" / "python"
-    report = write_prompts(python, str(tiny_model), _chat_cell(64, 16, 2, 0.8), 0, out, "rerun")
-    template = report["template_tokens"]
-    body = 64 - template
-    assert template > 0 and len(report["input_lens"]) == 20
-    assert all(int(0.8 * body) <= n <= body for n in report["input_lens"])
-    assert len(set(report["input_lens"])) > 1
-    assert all(abs(sent - (n + template)) <= 1
-               for sent, n in zip(report["templated_lens"], report["input_lens"], strict=True))
-    assert max(report["templated_lens"]) <= 64 + 1
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [item["output_tokens"] for item in lines] == report["output_lens"]
-
-
 @pytest.mark.serve
 def test_the_server_sees_the_stated_isl_on_a_chat_row(
     cpu_venv: Path, tiny_model: Path, tmp_path: Path
@@ -83,7 +62,7 @@ def test_the_server_sees_the_stated_isl_on_a_chat_row(
     data["series"] = str(REPO / "patches" / "vllm-0.32.0")
     data["server"]["port"] = _free_port()
     data.pop("eval", None)
-    data["sweep"] = {"inferencex-range-ratio": 1.0, "client": "chat",
+    data["sweep"] = {"inferencex-range-ratio": 0.8, "client": "chat",
                      "prompts-per-concurrency": 5, "warmups-per-concurrency": 1,
                      "rows": [{"isl": 64, "osl": 16, "concurrency": [2]}]}
     recipe = tmp_path / "chat.yaml"
@@ -95,14 +74,21 @@ def test_the_server_sees_the_stated_isl_on_a_chat_row(
     assert proc.returncode == 0, proc.stderr[-3000:]
     [row] = json.loads((run / "aggregate.json").read_text())["rows"]
     assert row["isl_convention"] == "chat-template" and row["isl"] == 64
+    # The prompts: bodies in InferenceX's range [int(0.8 L'), L'], L' = ISL - template; each
+    # prompt as sent, counted as InferenceX's client counts it, is body + template.
+    report = json.loads((run / "prompts" / f"{row['cell_id']}.json").read_text())
+    template, bodies, sent = (report["template_tokens"], report["input_lens"],
+                              report["templated_lens"])
+    assert template > 0 and len(bodies) == len(sent) == 10
+    assert all(int(0.8 * (64 - template)) <= n <= 64 - template for n in bodies)
+    assert len(set(bodies)) > 1
+    assert all(abs(s - (n + template)) <= 1 for s, n in zip(sent, bodies, strict=True))
+    assert max(sent) <= 64 + 1
+    # What the server saw: vLLM's client sums the server's usage.prompt_tokens per request.
     raw = json.loads((run / "raw" / f"{row['cell_id']}.json").read_text())
-    # vLLM's client sums the server's usage.prompt_tokens: InferenceX's count within one token
-    # (fixed lengths, so every request states ISL 64, template included).
-    per_request = raw["total_input_tokens"] / raw["completed"]
-    assert abs(per_request - 64) <= 1, per_request
-    prompts = (run / "prompts" / f"{row['cell_id']}.jsonl").read_text().splitlines()
-    assert len(prompts) == 10
-    assert raw["completed"] == 10 and raw["total_output_tokens"] == 10 * 16
+    assert raw["completed"] == 10 and raw["total_output_tokens"] == sum(report["output_lens"])
+    assert abs(raw["total_input_tokens"] / 10 - sum(sent) / 10) <= 1, (raw["total_input_tokens"],
+                                                                        sent)
 
 
 def _free_port() -> int:
