@@ -55,12 +55,22 @@ LATENCY_FIELDS = tuple(f"{stat}_{metric}" for metric in METRICS for stat in ALL_
 INTVTY_STATS = tuple(stat for stat in ALL_STATS if stat != "std")
 INTVTY_FIELDS = tuple(f"{stat}_intvty" for stat in INTVTY_STATS)
 ITL_FIELDS = tuple(f"{stat}_itl" for stat in ALL_STATS)
-# InferenceX's row keys that m3patch's own names do not already cover (utils/process_result.py).
-# `image` is one of them too, already in the provenance fields.
-INFERENCEX_FIELDS = ("conc", "hw", "model", "framework", "precision", "spec_decoding",
-                     "disagg", "is_multinode")
+# InferenceX's row keys that m3patch's own names do not already cover (utils/process_result.py
+# on InferenceX main; docs/inferencex-fields.md). `image` is one of them too, already in the
+# provenance fields; `dp_attention` is among the key fields, written as InferenceX's string.
+INFERENCEX_FIELDS = ("conc", "hw", "model", "infmax_model_prefix", "framework", "precision",
+                     "spec_decoding", "disagg", "is_multinode", "dcp_size", "pcp_size",
+                     "recipe_fingerprint", "std_intvty")
+# m3patch's own beside them: the speculative method vLLM ran (InferenceX says mtp for EAGLE3).
+# `isl_convention`: "chat-template" (the stated ISL includes the chat template the client applied,
+# InferenceX's --use-chat-template) or "prompt" (the prompt's own tokens; rows from before it).
+OWN_FIELDS = ("speculative_method", "isl_convention")
+ISL_CONVENTIONS = ("chat-template", "prompt")
 # The single-node server m3patch starts is always vLLM, never disaggregated, never multi-node.
 FRAMEWORK = "vllm"
+# Where m3patch writes null (tokens reached the client in a burst or in clumps), InferenceX's
+# figure for the same statistic is kept beside it under this prefix, named as InferenceX's.
+INFERENCEX_FIGURE = "inferencex_"
 DECODE_FIELDS = (*(f"{stat}_tpot" for stat in ALL_STATS), *ITL_FIELDS, *INTVTY_FIELDS)
 NA_FIELDS = ("decode_na", "decode_na_reason")
 # The floor under which a per-token time is not a decode rate. One decode step through vLLM's
@@ -71,7 +81,7 @@ NA_FIELDS = ("decode_na", "decode_na_reason")
 # one read: the figure measures that buffering, not the model, so it is reported as n/a.
 BURST_FLOOR_MS = 0.1
 COLUMNS = (
-    *KEY_FIELDS, *INFERENCEX_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
+    *KEY_FIELDS, *INFERENCEX_FIELDS, *OWN_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
     "output_throughput", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",
     *LATENCY_FIELDS, *INTVTY_FIELDS, *NA_FIELDS,
 )  # fmt: skip
@@ -110,25 +120,37 @@ def cell_row(data: dict[str, Any]) -> dict[str, Any]:
         tpot_ms = data.get(f"{stat}_tpot_ms")
         # osl=1 has no decode step: TPOT is 0 and interactivity is undefined, not infinite.
         row[f"{stat}_intvty"] = 1000.0 / tpot_ms if tpot_ms else None
+    std_tpot_ms = data.get("std_tpot_ms")
+    # InferenceX renames every tpot key: 1000 / std(TPOT), its figure, not a statistic of
+    # tokens/s per user; m3patch's comparisons never use it.
+    row["std_intvty"] = 1000.0 / std_tpot_ms if std_tpot_ms else None
     tag, reason = decode_na(data, cell.get("osl"))
     row.update(decode_na=tag, decode_na_reason=reason)
     if tag is not None:
-        row.update(dict.fromkeys(DECODE_FIELDS if tag == "burst" else ITL_FIELDS))
+        nulled = DECODE_FIELDS if tag == "burst" else ITL_FIELDS
+        row.update({f"{INFERENCEX_FIGURE}{field}": row[field] for field in nulled})
+        row.update(dict.fromkeys(nulled))
     return row
 
 
 def inferencex_fields(
     data: dict[str, Any], cell: dict[str, Any], prov: dict[str, Any]
 ) -> dict[str, Any]:
-    """InferenceX's own row keys for one cell (pure). hw, precision and spec_decoding are taken
-    from the provenance only when it states them: a platform such as `rocm-gfx942` is not an
-    InferenceX runner name, so it is not translated into one."""
+    """InferenceX's own row keys for one cell (pure), from the provenance the run recorded (the
+    recipe's `inferencex` identity); a cell recorded before it was kept has them null."""
     model = data.get("model_id")
     return {
         "conc": cell.get("concurrency"), "hw": prov.get("hw"),
         "model": model if isinstance(model, str) else None,
-        "framework": FRAMEWORK, "precision": prov.get("precision"),
+        "infmax_model_prefix": prov.get("infmax_model_prefix"),
+        "framework": prov.get("framework") or FRAMEWORK, "precision": prov.get("precision"),
         "spec_decoding": prov.get("spec_decoding"), "disagg": False, "is_multinode": False,
+        "dcp_size": prov.get("dcp_size", 1), "pcp_size": prov.get("pcp_size", 1),
+        "recipe_fingerprint": prov.get("recipe_sha256"),
+        # InferenceX copies DP_ATTENTION from the environment: the string "true" / "false".
+        "dp_attention": "true" if cell.get("dp_attention") else "false",
+        "speculative_method": prov.get("speculative_method"),
+        "isl_convention": cell.get("isl_convention") or "prompt",
     }  # fmt: skip
 
 
@@ -278,8 +300,17 @@ def load_aggregate(path: Path) -> dict[str, Any]:
     if not isinstance(rows, list) or not rows:
         raise invalid(file, "rows", "missing or empty")
     for index, row in enumerate(rows):
+        rows[index] = row = _own_flags(row) if isinstance(row, dict) else row
         _check_row(row, f"rows[{index}]", file)
     return data
+
+
+def _own_flags(row: dict[str, Any]) -> dict[str, Any]:
+    """dp_attention as m3patch compares it (a bool); the file keeps InferenceX's string."""
+    flag = row.get("dp_attention")
+    if isinstance(flag, str) and flag in ("true", "false"):
+        return {**row, "dp_attention": flag == "true"}
+    return row
 
 
 def _check_row(row: object, where: str, file: Path) -> None:
@@ -291,6 +322,10 @@ def _check_row(row: object, where: str, file: Path) -> None:
     for key in (*KEY_FIELDS, "tput_per_gpu", "median_intvty"):
         if key not in row and key != "length_convention":  # older aggregates: vLLM's
             raise invalid(file, f"{where}.{key}", "missing")
+    counted = row.get("isl_convention")
+    if counted is not None and counted not in ISL_CONVENTIONS:
+        raise invalid(file, f"{where}.isl_convention",
+                      f"expected one of {', '.join(ISL_CONVENTIONS)}, got {counted!r}")
     convention = row.get("length_convention")
     if convention is not None and convention not in CONVENTIONS:
         raise invalid(file, f"{where}.length_convention",

@@ -74,11 +74,6 @@ class SeqLen:
             return f"{self.isl // 1024}k{self.osl // 1024}k"
         return f"{self.isl}/{self.osl}"
 
-    @property
-    def max_model_len(self) -> int:
-        # InferenceX generate_sweep_configs.py: room for the prompt, the output and chat framing.
-        return self.isl + self.osl + 256
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -89,7 +84,7 @@ class Cell:
     prompts_per_concurrency: int = PROMPTS_PER_CONCURRENCY
     warmups_per_concurrency: int = WARMUPS_PER_CONCURRENCY
     length_convention: str = VLLM  # how range_ratio reads (recipe.lengths): vLLM's or InferenceX's
-    chat: bool = False  # the client uses /v1/chat/completions (the server's chat template)
+    chat: bool = False  # the client applies the chat template; the ISL counts it (chat_prompts)
 
     @property
     def num_prompts(self) -> int:

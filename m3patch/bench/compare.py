@@ -19,8 +19,9 @@ from m3patch.bench.results import METRICS
 from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 # range_ratio too: another length distribution is another workload, not a speedup.
-SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "tp", "pp", "ep", "dp",
-                "dp_attention", "gpu_count")
+# isl_convention too: an ISL that counts the chat template is another input than one that does not.
+SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "isl_convention", "tp", "pp",
+                "ep", "dp", "dp_attention", "gpu_count")
 # An agentic row's shape adds the scenario, its KV-offload tier and the trace it replayed; a
 # fixed-length row has none of them (null), so the two never match each other.
 AGENTIC_SHAPE_FIELDS = ("scenario_type", "kv_offload_label", "trace")
@@ -75,7 +76,8 @@ class Comparison:
 
 def shape(row: dict[str, Any]) -> tuple[Any, ...]:
     # Rows written before the convention was recorded used vLLM's.
-    filled = {**row, "length_convention": row.get("length_convention") or VLLM}
+    filled = {**row, "length_convention": row.get("length_convention") or VLLM,
+              "isl_convention": row.get("isl_convention") or "prompt"}
     return (*(filled[field] for field in SHAPE_FIELDS),
             *(row.get(field) for field in AGENTIC_SHAPE_FIELDS))
 
@@ -94,6 +96,8 @@ def describe(row: dict[str, Any]) -> str:
     ratio = f" r{row['range_ratio']:g}" if row.get("range_ratio") else ""
     if row.get("length_convention") == INFERENCEX:
         ratio += " InferenceX lengths"
+    if row.get("isl_convention") == "chat-template":
+        ratio += " ISL with chat template"
     return f"{seq_label(row)}{ratio} {row['parallelism']} ({row['gpu_count']} GPU)"
 
 

@@ -25,6 +25,7 @@ SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them (docs/infer
 # Keys that mark an object as an InferenceX row rather than an m3patch aggregate.
 SIGNATURE = ("conc", "hw", "tput_per_gpu")
 INTEGER_KEYS = ("conc", "isl", "osl", "tp", "ep")
+OPTIONAL_SIZES = ("pp", "dcp_size", "pcp_size")
 
 
 def is_inferencex(data: object) -> bool:
@@ -51,15 +52,27 @@ def row_of(item: dict[str, Any], where: str, file: Path) -> dict[str, Any]:
         raise invalid(file, f"{at}is_multinode", "a multi-node or disaggregated row has no "
                       "single-node shape to compare; give a single-node row")
     values = {key: _integer(item, key, f"{at}{key}", file) for key in INTEGER_KEYS}
-    par = Parallelism(tp=values["tp"], ep=values["ep"],
+    # Rows from before InferenceX recorded them ran PP1 without context parallelism.
+    sizes = {key: _integer({key: 1, **item}, key, f"{at}{key}", file) for key in OPTIONAL_SIZES}
+    par = Parallelism(tp=values["tp"], ep=values["ep"], pp=sizes["pp"],
                       dp_attention=_flag(item.get("dp_attention"), f"{at}dp_attention", file))
+    # InferenceX's divisor: TP x PP x PCP (process_result.py, single node).
+    gpus = par.tp * par.pp * sizes["pcp_size"]
     return {
         **item, "isl": values["isl"], "osl": values["osl"], "tp": par.tp, "ep": par.ep,
         "pp": par.pp, "dp": par.dp, "dp_attention": par.dp_attention,
         "range_ratio": INFERENCEX_RANGE_RATIO, "length_convention": INFERENCEX,
-        "concurrency": values["conc"], "gpu_count": par.tp, "parallelism": par.label,
+        "concurrency": values["conc"], "gpu_count": gpus, "parallelism": par.label,
+        "isl_convention": isl_convention(item),
         "cell_id": f"inferencex-isl{values['isl']}-osl{values['osl']}-{par.slug}-c{values['conc']}",
     }  # fmt: skip
+
+
+def isl_convention(item: dict[str, Any]) -> str:
+    """InferenceX's speculative-decoding scripts must pass --use-chat-template (its AGENTS.md
+    and PR review rules): their ISL counts the chat template; the others' does not."""
+    spec = item.get("spec_decoding")
+    return "chat-template" if isinstance(spec, str) and spec.lower() not in ("", "none") else "prompt"
 
 
 def _integer(item: dict[str, Any], key: str, where: str, file: Path) -> int:

@@ -5,7 +5,9 @@ Conventions from InferenceX's generate_sweep_configs.py (anchors.md part 2 §3.2
   expands it; 1..6 gives 1, 2, 4, 6);
 - TP-only rows are latency rows and start at concurrency 1 ("capturing the single-request
   latency point"): the shipped recipes write it in their rows (tests/recipe/test_recipe_schema.py);
-- max-model-len = isl + osl + 256.
+- max-model-len = isl + osl + 256 per cell (the recipe's `sweep.max-model-len: per-cell`, the
+  GPU default); a job's `max-model-len` is exactly what its server is started with (null: the
+  recipe leaves it to vLLM, which takes the model's own), never a figure the server does not get.
 The cells come from cells.sweep_cells through spec.recipe_cells, the very cells
 `m3patch bench RECIPE --only CELL` selects from; the matrix adds none of its own.
 One job per cell by default (InferenceX's shape; each runs `m3patch bench RECIPE --only CELL`),
@@ -20,12 +22,12 @@ recipe: m3patch's eval does not depend on the sweep's concurrency.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from m3patch.bench.cells import AgenticCell, AnyCell, Cell, Parallelism, SeqLen
+from m3patch.bench.cells import AgenticCell, AnyCell, Parallelism, SeqLen
 from m3patch.errors import UsageError
 
 GITHUB_MATRIX_LIMIT = 256  # GitHub refuses a matrix with more jobs than this
@@ -44,9 +46,17 @@ class MatrixRecipe:
     cells: tuple[AnyCell, ...]  # from spec.recipe_cells, in run order
     eval_tasks: tuple[str, ...] = ()  # the recipe's eval task names; empty: no eval section
     groups: tuple[tuple[str, ...], ...] = ()  # cell ids per server group (recipe.regions)
+    # The --max-model-len each group's server is started with (None: vLLM's own, the model's).
+    group_max_model_lens: tuple[int | None, ...] = ()
 
     def group_of(self, cell_id: str) -> int:
         return next((i for i, ids in enumerate(self.groups, start=1) if cell_id in ids), 1)
+
+    def max_model_len(self, cell_id: str) -> int | None:
+        """What the server that measures this cell is started with, exactly."""
+        index = self.group_of(cell_id) - 1
+        lens = self.group_max_model_lens
+        return lens[index] if index < len(lens) else None
 
 
 def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
@@ -79,7 +89,7 @@ def cell_job(recipe: MatrixRecipe, cell: AnyCell) -> dict[str, Any]:
         "image": recipe.image or "", "model": recipe.model,
         "exp-name": exp_name(recipe, cell.seq), "cell-id": cell.cell_id,
         "isl": cell.seq.isl, "osl": cell.seq.osl, "conc": cell.concurrency,
-        "max-model-len": cell.seq.max_model_len, "random-range-ratio": cell.range_ratio,
+        "max-model-len": recipe.max_model_len(cell.cell_id), "random-range-ratio": cell.range_ratio,
         "length-convention": cell.length_convention, "server-group": recipe.group_of(cell.cell_id),
         "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
         "gpus": par.gpu_count, "parallelism": par.label,
@@ -88,14 +98,19 @@ def cell_job(recipe: MatrixRecipe, cell: AnyCell) -> dict[str, Any]:
 
 def recipe_job(recipe: MatrixRecipe, cells: Sequence[AnyCell]) -> dict[str, Any]:
     par = recipe.parallelism
-    fixed = [cell for cell in cells if isinstance(cell, Cell)]
     return {
         "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
         "image": recipe.image or "", "model": recipe.model, "cells": len(cells),
-        "max-model-len": max((cell.seq.max_model_len for cell in fixed), default=None),
+        "max-model-len": _largest(recipe.max_model_len(cell.cell_id) for cell in cells),
         "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
         "gpus": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip
+
+
+def _largest(values: Iterable[int | None]) -> int | None:
+    """The largest a job's servers get (a group or recipe job may start several)."""
+    known = [value for value in values if value is not None]
+    return max(known) if known else None
 
 
 class EvalJobs(str, Enum):

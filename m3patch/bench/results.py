@@ -85,7 +85,8 @@ def cell_failures(data: dict[str, Any], cell: Cell) -> list[str]:
     return problems
 
 
-CELL_RECORD_DEFAULTS = {"length_convention": "vllm", "chat": False}
+# Files from before a convention was recorded: vLLM's lengths, completions, ISL = the prompt.
+CELL_RECORD_DEFAULTS = {"length_convention": "vllm", "chat": False, "isl_convention": "prompt"}
 
 
 def cell_record(cell: Cell) -> dict[str, Any]:
@@ -94,6 +95,7 @@ def cell_record(cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id, "isl": cell.seq.isl, "osl": cell.seq.osl,
         "concurrency": cell.concurrency, "range_ratio": cell.range_ratio,
         "length_convention": cell.length_convention, "chat": cell.chat,
+        "isl_convention": "chat-template" if cell.chat else "prompt",
         "num_prompts": cell.num_prompts, "num_warmups": cell.num_warmups,
         **asdict(par), "gpu_count": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip

@@ -29,6 +29,9 @@ IMAGE_ENV = "M3PATCH_IMAGE"
 # (vllm-cpu.md §4) and tokenizes every prompt up front; this covers both on slow machines.
 CLIENT_STARTUP_S = 120.0
 SESSION_SERVER = "m3patch serve"
+# InferenceX's search spaces allow spec-decoding mtp | draft_model | none, and label its EAGLE3
+# runs (MiniMax-M3 with the EAGLE3 draft head) mtp.
+INFERENCEX_SPEC = {"eagle": "mtp", "eagle3": "mtp", "mtp": "mtp", "draft_model": "draft_model"}
 
 
 def parallelism_of(recipe: Recipe) -> Parallelism:
@@ -99,17 +102,50 @@ def cell_deadline_s(recipe: Recipe, cell: AnyCell) -> float:
 
 def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
     cells = recipe_cells(recipe)
+    groups = server_groups(recipe, cells)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
         image=recipe.target.image, model=recipe.model.source_text or recipe.model.source,
         parallelism=parallelism_of(recipe),
-        cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
+        cells=cells, groups=tuple(g.cell_ids for g in groups),
+        group_max_model_lens=tuple(max_model_len_of(g.recipe.vllm_args) for g in groups),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip
 
 
+def max_model_len_of(argv: tuple[str, ...]) -> int | None:
+    """The --max-model-len a server's arguments give it (None: vLLM takes the model's own)."""
+    for index, arg in enumerate(argv[:-1]):
+        if arg == "--max-model-len" and argv[index + 1].isdigit():
+            return int(argv[index + 1])
+    return None
+
+
 def image_of(recipe: Recipe) -> str | None:
-    return os.environ.get(IMAGE_ENV) or recipe.target.image
+    named = recipe.inferencex.image if recipe.inferencex else None
+    return os.environ.get(IMAGE_ENV) or recipe.target.image or named
+
+
+def inferencex_identity(recipe: Recipe) -> dict[str, Any]:
+    """InferenceX's identity of the recipe's results, as provenance keys (docs/inferencex-fields.md).
+
+    `spec_decoding` in InferenceX's vocabulary (mtp | draft_model | none: its EAGLE/EAGLE3 runs
+    are labelled mtp); m3patch's own `speculative_method` keeps the method vLLM ran."""
+    ident = recipe.inferencex
+    method = speculative_method(recipe)
+    raw = dict(recipe.vllm_args_raw)
+    return {
+        "hw": ident.hw if ident else None, "precision": ident.precision if ident else None,
+        "infmax_model_prefix": ident.model_prefix if ident else None,
+        "framework": ident.framework if ident else None,
+        "spec_decoding": INFERENCEX_SPEC.get(method, method), "speculative_method": method,
+        "dcp_size": _size(raw.get("decode-context-parallel-size")),
+        "pcp_size": _size(raw.get("prefill-context-parallel-size")),
+    }  # fmt: skip
+
+
+def _size(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any]:
@@ -129,7 +165,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
         "gpu_count": parallelism_of(recipe).gpu_count,
         "vllm_version": tree.version, "vllm_commit": tree.commit, "vllm_root": str(tree.root),
         "series": None, "patches": [], "ledger_sha256": None, "server": server,
-        "verified": server == SESSION_SERVER, "spec_decoding": spec_decoding_of(recipe),
+        "verified": server == SESSION_SERVER, **inferencex_identity(recipe),
     }  # fmt: skip
     if ledger is None:
         return base
@@ -139,8 +175,8 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
     return base
 
 
-def spec_decoding_of(recipe: Recipe) -> str:
-    """InferenceX's `spec_decoding` value: "none", else the recipe's speculative method."""
+def speculative_method(recipe: Recipe) -> str:
+    """The recipe's speculative method as vLLM runs it, or "none"."""
     if recipe.speculative_json is None:
         return "none"
     method = json.loads(recipe.speculative_json).get("method")

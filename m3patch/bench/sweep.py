@@ -4,6 +4,7 @@ Run folder layout (what CI uploads):
     cells/<cell_id>.json   vLLM's result + provenance (m3patch.bench.results)
     raw/<cell_id>.json     vLLM's result as its client saved it
     logs/<cell_id>.log     the client's output
+    prompts/<cell_id>.jsonl  a chat cell's prompt bodies (the client adds the chat template)
     aggregate.json, aggregate.csv   (m3patch.bench.aggregate), once every cell passed
 A cell stops the sweep when it fails (fail closed); the cells already done stay valid for
 `--resume`, which re-measures only what has no valid, complete per-cell file.
@@ -19,11 +20,13 @@ from typing import Any
 from m3patch.bench import results as res
 from m3patch.bench.aggregate import CELLS_DIR, table_of, write_aggregate
 from m3patch.bench.cells import Cell
+from m3patch.bench.chat_prompts import write_prompts
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
 from m3patch.output import info, progress, table
 
 RAW_DIR = "raw"
+PROMPTS_DIR = "prompts"  # a chat cell's prompt bodies (bench.chat_prompts)
 LOGS_DIR = "logs"
 DEFAULT_SEED = 0
 
@@ -105,7 +108,12 @@ def _measure(
     raw_path = run_dir / RAW_DIR / f"{cell.cell_id}.json"
     raw_path.unlink(missing_ok=True)  # a stale file must never pass for this run's result
     log_path = run_dir / LOGS_DIR / f"{cell.cell_id}.log"
-    argv = bench_argv(target, cell, raw_path.parent, raw_path.name, settings.seed)
+    prompts = None
+    if cell.chat:
+        prompts = run_dir / PROMPTS_DIR / f"{cell.cell_id}.jsonl"
+        write_prompts(target.python, target.tokenizer, cell, settings.seed, prompts,
+                      settings.rerun_hint)
+    argv = bench_argv(target, cell, raw_path.parent, raw_path.name, settings.seed, prompts)
     run = run_client(argv, cell_id=cell.cell_id, log_path=log_path, deadline_s=deadline_s,
                      check_server=check_server)
     check_server()  # a server that died at the very end must not leave a plausible result

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from pathlib import Path
 from types import FrameType
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import load_aggregate
+from m3patch.bench.changelog_entry import changelog_entry
 from m3patch.bench.plots import PlotRun, draw, run_title
 from m3patch.bench.results import write_result
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from m3patch.run.steps import RunOutcome
 
 COMPARE = "compare"
+RECIPE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 METRICS = tuple(cmp.METRIC_LABELS)
 
 
@@ -61,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "<stat>_<ttft|tpot|itl|e2el> in seconds, <stat> one of mean, median, "
                            "std, p90, p99, p99.9 (default: tput_per_gpu, total tok/s/GPU)")
     comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
+    comp.add_argument("--changelog-entry", action="store_true",
+                      help="print only a perf-changelog.yaml entry for NEW's recipe with the "
+                           "headline deltas (append it: ... --changelog-entry >> "
+                           "perf-changelog.yaml)")
     add_json_flags(parser, report="the report (compare: the comparison)", file_alias=True)
 
 
@@ -134,6 +141,8 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
     fields = report_json.start("bench") if json_stdout(args) else None
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
+    if args.changelog_entry:
+        return _changelog_entry(base_agg, new_agg, new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
     if fields is not None:  # stdout is the object's alone: no tables
         fields.update(compare={"base": str(base), "new": str(new), "metric": args.metric,
@@ -158,6 +167,17 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
         write_result(target, {**cmp.to_json(result), **accuracy})
         info(f"comparison written to {target}")
     _plots(base_agg, new_agg, args)
+    return 0
+
+
+def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any], new: Path) -> int:
+    """The entry alone on stdout, after one blank line: `>> perf-changelog.yaml` appends it."""
+    key = new_agg.get("recipe_name")
+    if not isinstance(key, str) or not RECIPE_KEY.match(key):
+        msg = f"{new}: NEW names no m3patch recipe ({key!r}), so the entry has no config key"
+        raise UsageError(msg, hint="give an m3patch run folder or aggregate.json as NEW")
+    stdout_console().print("\n" + changelog_entry(base_agg, new_agg, key).rstrip("\n"),
+                           markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`m3patch series lock|show|list|port`: generate the pins of a series; show what it contains; list
-the series that ship with m3patch and which one fits the located vLLM.
+"""`m3patch series lock|show|list|port|waiver`: generate the pins of a series; show what it
+contains; list the series that ship with m3patch and which one fits the located vLLM; write
+InferenceX's patch waiver (docs/waiver/<PR>.md) for a recipe's series.
 
 `lock` applies every patch, in order and exactly, to a pristine tree in memory and writes
 series.lock.json: target, sha256 of each .patch, and of every file's pre- and post-image.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from m3patch.commands.common import add_tree_options, prepare_process, say, series_dir, tree_from
 from m3patch.commands.flags import add_python_flag
+from m3patch.commands.series_waiver import write_waiver
 from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFound
 from m3patch.fsio import write_bytes_atomic
 from m3patch.marker_lint.check import lint_all
@@ -64,6 +66,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --dry-run: write the Markdown report here instead of stdout")
     port.add_argument("--id", dest="series_id", help="id of the new series (default: "
                       "vllm-<new version> for a vllm-<version> series)")
+    waiver = sub.add_parser("waiver", help="write InferenceX's docs/waiver/<PR>.md for the "
+                                           "recipe's series (from its manifest and lock)")
+    waiver.add_argument("--pr", type=int, required=True, metavar="N",
+                        help="the InferenceX PR that brings the patched benchmark")
+    waiver.add_argument("--recipe", default="mi300x_tp8", metavar="RECIPE",
+                        help="the recipe whose series, image and marker gate the waiver covers "
+                             "(a file or a shipped name; default mi300x_tp8)")
+    waiver.add_argument("--config-entry", metavar="NAME",
+                        help="InferenceX master-config entry (default: the recipe's "
+                             "inferencex.config-entry)")
+    waiver.add_argument("--image", help="pinned image (default: the recipe's)")
+    waiver.add_argument("--out", metavar="PATH",
+                        help="where to write (default docs/waiver/<N>.md, run inside an "
+                             "InferenceX checkout; - prints it)")
     listing = sub.add_parser("list", help="the series shipped with m3patch; which fits the "
                                           "located vLLM")
     add_tree_options(listing)
@@ -242,5 +258,7 @@ def run(args: argparse.Namespace) -> int:
         return _show(args)
     if args.action == "port":
         return _port(args)
+    if args.action == "waiver":
+        return write_waiver(args)
     msg = f"unknown series action {args.action!r}"
     raise UsageError(msg, hint="m3patch series --help")

@@ -2,7 +2,8 @@
 
 Sections by subject: target.py (what to serve: target, model, speculative), launch.py (how to
 launch: server, parallelism, env, vllm-args -> argv), gates.py (markers, counts, waivers),
-sweep.py (what to sweep), deadlines.py, evals.py (the accuracy gate); paths.py expands `~` and `${VAR:-default}`.
+sweep.py (what to sweep), deadlines.py, evals.py (the accuracy gate), inferencex.py (the
+identity InferenceX keys results by); paths.py expands `~` and `${VAR:-default}`.
 Strict: unknown keys are errors with a suggestion, every error names the file and key path.
 `series` is relative to the recipe file. The argv is resolved here (pure); starting the process
 is the supervisor's job.
@@ -21,6 +22,7 @@ from m3patch.recipe import gates, launch
 from m3patch.recipe import target as served
 from m3patch.recipe.deadlines import Deadlines, deadlines
 from m3patch.recipe.evals import EvalSpec, evals
+from m3patch.recipe.inferencex import Identity, identity
 from m3patch.recipe.launch import Parallelism, flatten_vllm_args
 from m3patch.recipe.paths import expand
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
@@ -31,7 +33,7 @@ from m3patch.shipped import shipped_dir
 from m3patch.yamlio import load_yaml_file
 
 TOP_KEYS = ("description", "server", "parallelism", "vllm-args", "env", "speculative", "markers",
-            "deadlines", "results", "topology", "eval")
+            "deadlines", "results", "topology", "eval", "inferencex")
 T = TypeVar("T")
 
 
@@ -58,6 +60,7 @@ class Recipe:
     topology: Topology | None = None  # a multi-node set (recipe/topology.py); None: one server
     eval: EvalSpec | None = None  # the accuracy gate (recipe/evals.py); None: no eval step
     vllm_args_raw: tuple[tuple[str, Any], ...] = ()  # as written: regions merge over it
+    inferencex: Identity | None = None  # InferenceX's result identity (recipe/inferencex.py)
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""
@@ -109,8 +112,13 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         results = Path(expand(expect_str(data.get("results", f"results/{name}"))))
     marker_gates = _section(data, "markers", partial(gates.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", launch.server)
-    platform = _section(data, "target", served.target).platform
-    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu", base=path.parent))
+    goal = _section(data, "target", served.target)
+    platform = goal.platform
+    stated = any(str(key).replace("_", "-") == "max-model-len"
+                 for key in expect_mapping(data.get("vllm-args", {})))
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu", base=path.parent,
+                                            sized_by_recipe=stated or "topology" in data,
+                                            speculative=spec_json is not None))
     check_lengths_fit(swept, data.get("vllm-args"))
     if swept.agentic is not None and swept.agentic.speculative and spec_json is None:
         with at_key("sweep"), at_key("speculative"):
@@ -129,7 +137,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         _check_topology_fits(data, parallel, marker_gates.counts)
     return Recipe(
         name=name, path=path, description=str(data.get("description", "")).strip(),
-        target=_section(data, "target", served.target), series_dir=series_dir, model=model,
+        target=goal, series_dir=series_dir, model=model,
         host=host, port=port, parallelism=parallel,
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
         env=env, speculative_json=spec_json,
@@ -138,6 +146,9 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,
         eval=_section(data, "eval", partial(evals, base=path.parent)),
         vllm_args_raw=tuple(expect_mapping(data.get("vllm-args", {})).items()),
+        inferencex=_section(data, "inferencex", partial(
+            identity, platform=platform, model=model.source, target_image=goal.image,
+            vllm_args=data.get("vllm-args"))),
     )
 
 

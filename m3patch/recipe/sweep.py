@@ -4,8 +4,11 @@ the length spread, checked against the launch's max-model-len.
 The spread is stated one of two ways: `inferencex-range-ratio: r` (InferenceX's client: lengths
 in [int(L*r), L]; GPU recipes default to 0.8, InferenceX's value, so their figures line up), or
 `range-ratio: r` (vLLM's client: [L(1-r), L(1+r)]). m3patch.recipe.lengths translates the first
-into vLLM's client flags. `client: chat` sends chat-completions requests (the server applies the
-model's chat template), as InferenceX's speculative-decoding runs did.
+into vLLM's client flags. `client: chat` counts the ISL with the model's chat template, which the
+client applies (InferenceX's `--use-chat-template`, its speculative-decoding runs;
+m3patch.bench.chat_prompts); the default for a recipe with a `speculative` section. `max-model-len: per-cell`
+gives each cell's server isl + osl + 256 (InferenceX's sizing, the GPU default when vllm-args
+states no max-model-len); `recipe` keeps the one value vllm-args states (or vLLM's own).
 
 Turning rows into benchmark cells (and the latency-point rule) is m3patch.bench.cells.sweep_cells.
 """
@@ -112,9 +115,12 @@ def _spread(data: dict[str, object], gpu: bool) -> tuple[float, str]:
     return ratio, VLLM
 
 
-def sweep(raw: object, *, gpu: bool = False, base: Path = Path()) -> Sweep:
-    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8). An
-    agentic-coding sweep (recipe.agentic) has no isl/osl rows; `base` resolves its trace file."""
+def sweep(raw: object, *, gpu: bool = False, base: Path = Path(), sized_by_recipe: bool = True,
+          speculative: bool = False) -> Sweep:
+    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8), and, unless
+    `sized_by_recipe` (vllm-args states max-model-len, or a multi-node topology), to InferenceX's
+    per-cell max-model-len (isl + osl + 256 for each cell's server). An agentic-coding sweep
+    (recipe.agentic) has no isl/osl rows; `base` resolves its trace file."""
     data = expect_mapping(raw)
     if scenario_of(data) == AGENTIC_CODING:
         return Sweep((), 1, 0, 0.0, agentic=agentic_scenario(data, base=base))
@@ -131,11 +137,15 @@ def sweep(raw: object, *, gpu: bool = False, base: Path = Path()) -> Sweep:
                 rows.append(_sweep_row(row))
     ratio, convention = _spread(data, gpu)
     with at_key("client"):
-        client = expect_choice(data.get("client", "completions"), ("completions", "chat"))
+        # InferenceX's speculative-decoding scripts must count the ISL with the chat template.
+        default = "chat" if speculative else "completions"
+        client = expect_choice(data.get("client", default), ("completions", "chat"))
     with at_key("regions"):
         server_regions = regions(data.get("regions", []))
+    fits_per_cell = convention == INFERENCEX or ratio == 0
+    default = PER_CELL if gpu and not sized_by_recipe and fits_per_cell else "recipe"
     with at_key("max-model-len"):
-        per_cell = expect_choice(data.get("max-model-len", "recipe"), ("recipe", PER_CELL))
+        per_cell = expect_choice(data.get("max-model-len", default), ("recipe", PER_CELL))
         if per_cell == PER_CELL and convention == VLLM and ratio > 0:
             msg = ("per-cell max-model-len is isl + osl + 256, which vLLM's range-ratio > 0 "
                    f"overflows; use {INFERENCEX_KEY} (never above isl + osl)")

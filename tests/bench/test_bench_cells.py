@@ -77,10 +77,9 @@ def test_no_seq_lens_is_an_error() -> None:
         expand([], [1], Parallelism(), 0.0)
 
 
-def test_seq_len_labels_and_max_model_len() -> None:
+def test_seq_len_labels() -> None:
     assert SeqLen(8192, 1024).label == "8k1k"
     assert SeqLen(32, 16).label == "32/16"
-    assert SeqLen(8192, 1024).max_model_len == 8192 + 1024 + 256
 
 
 def test_bench_argv_has_every_inferencex_flag(tmp_path: Path) -> None:

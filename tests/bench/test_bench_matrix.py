@@ -20,8 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _recipe(par: Parallelism, rows: tuple[tuple[int, int, tuple[int, ...]], ...]) -> MatrixRecipe:
-    return MatrixRecipe("recipes/x.yaml", "x", "rocm-gfx942", "img:1", "org/model", par,
-                        sweep_cells(rows, par, 0.8))
+    """Per-cell sizing, as spec.matrix_recipe gives a GPU recipe: one server per isl/osl."""
+    cells = sweep_cells(rows, par, 0.8)
+    shapes = list(dict.fromkeys((c.seq.isl, c.seq.osl) for c in cells))
+    groups = tuple(tuple(c.cell_id for c in cells if (c.seq.isl, c.seq.osl) == s) for s in shapes)
+    return MatrixRecipe("recipes/x.yaml", "x", "rocm-gfx942", "img:1", "org/model", par, cells,
+                        groups=groups, group_max_model_lens=tuple(i + o + 256 for i, o in shapes))
 
 
 def test_doubling_clamps_the_last_step_to_the_end() -> None:
@@ -75,13 +79,24 @@ def test_cli_over_every_shipped_recipe(capsys: pytest.CaptureFixture[str]) -> No
     for job in jobs:
         if job in agentic:
             continue
-        assert job["max-model-len"] == job["isl"] + job["osl"] + 256
+        # Exactly what the job's server gets: per cell on GPU recipes (InferenceX's sizing),
+        # the one value the others state.
+        recipe = load_recipe(Path(job["recipe"]))
+        stated = dict(recipe.vllm_args_raw)["max-model-len"] if not (
+            recipe.sweep.per_cell_max_model_len) else job["isl"] + job["osl"] + 256
+        sized = 512 if job["name"] == "cpu_tiny_moe" else stated
+        assert job["max-model-len"] == sized, job["cell-id"]
         if job["ep"] == 1 and job["dp"] == 1 and not job["dp-attn"]:
             starts = [j["conc"] for j in jobs if j["recipe"] == job["recipe"]
                       and (j["isl"], j["osl"]) == (job["isl"], job["osl"])]
             assert min(starts) == 1, job["cell-id"]
     cpu = [j for j in jobs if j["name"] == "cpu_tiny_moe"]
     assert len(cpu) == 3  # the CI end-to-end sweep
+    # InferenceX's last MiniMax-M3 MI300X TP8 config: 1-256 at 1k1k and 8k1k.
+    for name in ("mi300x_tp8", "mi300x_pr1753_tp8"):
+        for isl in (1024, 8192):
+            concs = [j["conc"] for j in jobs if j["name"] == name and j["isl"] == isl]
+            assert concs == [1, 2, 4, 8, 16, 32, 64, 128, 256], (name, isl)
 
 
 def test_cli_names_the_recipe_of_a_bad_sweep(

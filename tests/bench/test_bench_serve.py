@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from inferencex_contract import problems
 
 from m3patch.serving.processes import children_of
 
@@ -98,6 +99,18 @@ def test_provenance_names_recipe_series_patches_and_ledger(runs: Path, cpu_venv:
     # the server printed the same ledger digest (provenance patch), so the numbers are its own
     assert f"ledger=sha256:{prov['ledger_sha256']}" in (runs / "a" / "server.log").read_text()
     assert cell["completed"] == cell["num_prompts"] == 10 and cell["failed"] == 0
+
+
+def test_every_real_row_meets_inferencex_contract(runs: Path) -> None:
+    # docs/inferencex-fields.md's contract: every field InferenceX main's process_result.py
+    # writes and compare_results.py reads, with its type, on both real run folders.
+    for name in ("a", "b"):
+        rows = json.loads((runs / name / "aggregate.json").read_text())["rows"]
+        for row in rows:
+            assert problems(row) == [], (name, row["cell_id"])
+            assert (row["hw"], row["precision"], row["infmax_model_prefix"]) == (
+                "cpu", "fp32", "tinymoe")
+            assert row["spec_decoding"] == "none" and row["dp_attention"] == "false"
 
 
 def test_compare_of_the_two_runs_prints_the_table(runs: Path) -> None:

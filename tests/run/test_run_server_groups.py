@@ -120,3 +120,13 @@ def test_two_groups_each_start_a_gated_server(cpu_venv: Path, tiny_model: Path,
     rows = json.loads((run / "aggregate.json").read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert "2 server groups" in done.stderr
+
+
+def test_gpu_recipes_size_each_cells_server_unless_vllm_args_state_one() -> None:
+    # InferenceX's isl + osl + 256 per job is the GPU default; a stated max-model-len is kept.
+    recipe = load_recipe(REPO / "recipes" / "mi300x_tp8.yaml")
+    assert recipe.sweep.per_cell_max_model_len
+    sizes = {g.recipe.vllm_args[g.recipe.vllm_args.index("--max-model-len") + 1]
+             for g in server_groups(recipe, recipe_cells(recipe))}
+    assert sizes == {"2304", "9472"}
+    assert not load_recipe(REPO / "recipes" / "cpu_tiny_moe.yaml").sweep.per_cell_max_model_len
