@@ -31,6 +31,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -169,6 +170,13 @@ class OutputFailed(M3PatchError):
     exit_code = 27
 
 
+class UnsafeState(M3PatchError):
+    """A folder m3patch keeps state in (a run folder, a cache) is a symlink, not a folder, or
+    owned by another user: nothing is written through it."""
+
+    exit_code = 34
+
+
 class Interrupted(M3PatchError):
     exit_code = 130
 
@@ -180,5 +188,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
-    NodeLost, OutputFailed, Interrupted,
+    NodeLost, OutputFailed, UnsafeState, Interrupted,
 )

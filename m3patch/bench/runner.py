@@ -98,8 +98,9 @@ def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell], *,
     info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
-    return all(finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
+def all_finished(run_dir: Path, cells: Sequence[Cell], gated: str | None = None) -> bool:
+    return all(finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated)
+               for cell in cells)
 
 
 def check_results(run_dir: Path) -> tuple[list[Path], dict[str, Any]]:
