@@ -40,7 +40,8 @@ def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = U
         info = path.lstat()
     except FileNotFoundError:
         if not create:
-            raise error(f"{path}: missing", hint=hint) from None
+            msg = f"{path}: missing"
+            raise error(msg, hint=hint) from None
         try:
             path.mkdir(mode=0o755)
         except FileExistsError:
@@ -50,14 +51,17 @@ def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = U
             raise TreeIOError(msg, hint=f"check that {path.parent} is writable") from None
         info = path.lstat()
     except OSError as exc:
-        raise error(f"{path}: cannot inspect: {exc.strerror or exc}", hint=hint) from None
+        msg = f"{path}: cannot inspect: {exc.strerror or exc}"
+        raise error(msg, hint=hint) from None
+    problem = None
     if stat.S_ISLNK(info.st_mode):
-        target = os.readlink(path)
-        raise error(f"{path}: a symlink (-> {target}), not a folder", hint=hint)
-    if not stat.S_ISDIR(info.st_mode):
-        raise error(f"{path}: not a folder", hint=hint)
-    if info.st_uid not in _owners():
-        msg = f"{path}: owned by uid {info.st_uid}, not by this user ({os.geteuid()}) or root"
+        problem = f"a symlink (-> {path.readlink()}), not a folder"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "not a folder"
+    elif info.st_uid not in _owners():
+        problem = f"owned by uid {info.st_uid}, not by this user ({os.geteuid()}) or root"
+    if problem is not None:
+        msg = f"{path}: {problem}"
         raise error(msg, hint=hint)
     return path
 

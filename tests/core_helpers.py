@@ -67,3 +67,22 @@ def tree_listing(root: Path) -> set[str]:
     """Every file and folder under root/vllm, m3patch's own state folder left out."""
     return {str(p.relative_to(root)) for p in (root / "vllm").rglob("*")
             if ".m3patch" not in p.parts}
+
+
+def gate_recorded_run(run: Path, recipe: Path, *, eval_passed: bool | None = None) -> None:
+    """Make a copied recorded run folder read as measured on a server m3patch verified and gated,
+    launched from exactly `recipe` (what `ci --resume` keeps); with `eval_passed`, also record
+    an eval/eval.json of that verdict from the same server."""
+    import hashlib
+    import json
+
+    provenance = {"verified": True, "server": "m3patch serve",
+                  "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
+    for cell in (run / "cells").glob("*.json"):
+        data = json.loads(cell.read_text())
+        data["m3patch"]["provenance"].update(provenance)
+        cell.write_text(json.dumps(data))
+    if eval_passed is not None:
+        (run / "eval").mkdir(exist_ok=True)
+        (run / "eval" / "eval.json").write_text(json.dumps(
+            {"schema": 1, "passed": eval_passed, "provenance": provenance, "tasks": []}))

@@ -115,7 +115,7 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
     # the files win: an offset post-image that equals an earlier pin (a pristine file, say) is
     # that pin, never "applied at offsets", whatever the ledger records
     off = [p for p, h in pins.hashes.items() if currents[p] != h[-1] and (
-        currents[p] != offset.get(p) or currents[p] in h)]
+        p not in offset or currents[p] != offset[p] or currents[p] in h)]
     files = []
     if off:  # only now parse the patches: the diagnosis needs per-hunk probes
         from m3patch.patching import engine  # deferred: the already-applied path never needs it

@@ -139,7 +139,7 @@ def safe_state_dir(root: Path, *, create: bool) -> Path:
     FileNotFoundError."""
     vllm = root / "vllm"
     if vllm.is_symlink():
-        msg = f"{vllm}: a symlink (-> {os.readlink(vllm)}); m3patch never writes through a link"
+        msg = f"{vllm}: a symlink (-> {vllm.readlink()}); m3patch never writes through a link"
         raise HostilePatch(msg, hint="point --vllm-root at the real tree")
     folder = state_dir(root)
     if not create and not os.path.lexists(folder):

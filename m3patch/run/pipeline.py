@@ -31,6 +31,7 @@ from types import TracebackType
 from m3patch.bench import spec as bench_spec
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget
+from m3patch.bench.results import gated_by
 from m3patch.bench.runner import (
     all_finished,
     check_results,
@@ -41,15 +42,14 @@ from m3patch.bench.runner import (
     select_cells,
     sweep_session,
 )
-from m3patch.bench.results import gated_by
 from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
 from m3patch.errors import M3PatchError, ResultsInvalid, UsageError
 from m3patch.eval.compare import read_scores, record_path, run_rows
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import read_json, write_bytes_atomic
-from m3patch.patching.ledger import digest
 from m3patch.output import info, table
+from m3patch.patching.ledger import digest
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
