@@ -315,3 +315,33 @@ def test_a_header_only_patch_is_refused_at_lock_time(pristine_033: Path, tmp_pat
     assert code == errors.UsageError.exit_code, err
 
 
+
+
+@pytest.mark.parametrize("body", ["[]", '{"dir_info": []}', '{"dir_info": {"editable": "yes"}}',
+                                  "[" * 5000 + "]" * 5000])
+def test_a_hostile_direct_url_json_never_breaks_locate(vllm_tree: Path, test_series: Path,
+                                                       body: str) -> None:
+    """Before: a dist-info direct_url.json of `[]` or `{"dir_info": []}` ended `locate` (and
+    every command that describes the tree) in 70."""
+    dist = next(vllm_tree.glob("vllm-*.dist-info"))
+    (dist / "direct_url.json").unlink(missing_ok=True)
+    (dist / "direct_url.json").write_text(body)
+    code, _, err = cli("locate", "--vllm-root", str(vllm_tree))
+    assert code == 0, err
+    code, _, err = cli("status", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == 0, err
+
+
+def test_series_port_out_as_a_link_is_refused_before_any_work(pristine_033: Path, test_series: Path,
+                                                              tmp_path: Path) -> None:
+    """Before: `--out LINK` (a link to an empty folder) ended in 70 after the whole proof and left
+    `.LINK.tmp<PID>` behind."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(empty)
+    code, _, err = cli("series", "port", str(test_series), "--tree", str(pristine_033),
+                       "--out", str(link))
+    assert code == errors.UnsafeState.exit_code, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]
+    assert list(empty.iterdir()) == []
