@@ -33,7 +33,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
 | 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
-| 130  | Interrupted           | SIGINT/SIGTERM                                                 |
+| 130  | Interrupted           | SIGINT/SIGTERM (SIGHUP/SIGQUIT where not ignored)             |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
 """
 

@@ -10,10 +10,14 @@ import hashlib
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from core_helpers import new_file_diff
+from core_helpers import CliRunner, new_file_diff
 
 from m3patch import errors
 from m3patch.main import main
@@ -345,3 +349,33 @@ def test_series_port_out_as_a_link_is_refused_before_any_work(pristine_033: Path
     assert code == errors.UnsafeState.exit_code, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]
     assert list(empty.iterdir()) == []
+
+
+# ------------------------------------------------------------- --json on every way out
+
+
+def test_a_command_line_error_under_json_prints_the_json_object(m3patch_cli: CliRunner) -> None:
+    """Before: argparse's usage text and exit 2, no JSON on stdout."""
+    done = m3patch_cli("status", "--json", "--no-such-flag")
+    assert done.returncode == errors.UsageError.exit_code
+    report = json.loads(done.stdout)
+    assert report["error"]["type"] == "UsageError" and "--no-such-flag" in report["error"]["message"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
+        vllm_tree: Path, test_series: Path, sig: signal.Signals) -> None:
+    """Before: SIGHUP or SIGQUIT while waiting for the tree lock ended with no JSON and no
+    documented code (the signal's default: killed, or a core dump)."""
+    from m3patch.patching import writer
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+    with writer.tree_lock(vllm_tree):
+        proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
+                                 str(vllm_tree), "--series", str(test_series)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(3)  # past start-up, into the lock wait
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == errors.Interrupted.exit_code, err
+    assert json.loads(out)["error"]["type"] == "Interrupted"
