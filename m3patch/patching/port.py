@@ -218,7 +218,7 @@ def patch_outcome(files: Sequence[FilePort]) -> PatchOutcome:
 
 
 def file_diff(path: str, pre: bytes | None, post: bytes | None) -> str:
-    """A clean unified diff of one file (what scripts/make_patch.py writes)."""
+    """A clean unified diff of one file (what scripts/maintain/make_patch.py writes)."""
     old = hk.to_lines(pre)
     new = hk.to_lines(post)
     old_name = f"a/{path}" if pre is not None else "/dev/null"

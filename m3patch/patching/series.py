@@ -29,6 +29,17 @@ PLATFORMS = ("cpu", "cuda", "rocm-gfx942", "rocm-gfx950")
 MANIFEST = "series.yaml"
 ENV_SERIES = "M3PATCH_SERIES"
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_SWITCH_RE = re.compile(r"^M3PATCH_[A-Z0-9_]+$")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """An environment switch a patch reads in the server (`M3PATCH_MXFP8_MOE`): its allowed
+    values as the patch compares them (stripped, lower case; unset or empty is the first)."""
+
+    name: str
+    values: tuple[str, ...]
+    patch: str
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class PatchEntry:
     drop_when: str
     platforms: tuple[str, ...]  # empty = every platform
     markers: tuple[MarkerSpec, ...]
+    switches: tuple[Switch, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,11 @@ class Series:
         """Markers active on `platform`: a marker's own platforms, else its patch's, else all."""
         return tuple(m for p in self.patches for m in p.markers
                      if not m.platforms or platform in m.platforms)
+
+    @property
+    def switches(self) -> dict[str, Switch]:
+        """Every environment switch the series' patches read, by name."""
+        return {s.name: s for p in self.patches for s in p.switches}
 
     def patch_path(self, entry: PatchEntry) -> Path:
         return self.directory / entry.file
@@ -110,12 +127,28 @@ def _marker(raw: object, declared_by: str, default_platforms: tuple[str, ...]) -
     return MarkerSpec(marker_id, kind, text, declared_by, platforms=platforms)
 
 
+def _switch(raw: object, patch_id: str) -> Switch:
+    data = schema.expect_mapping(raw)
+    schema.check_keys(data, required=("name", "values"))
+    with schema.at_key("name"):
+        name = schema.expect_str(data["name"])
+        if not _SWITCH_RE.match(name):
+            msg = f"switch name {name!r} must be M3PATCH_ and upper-case letters, digits, '_'"
+            raise schema.SchemaError(msg)
+    with schema.at_key("values"):
+        values = schema.str_list(data["values"])
+        if not values or any(v != v.strip().lower() or not v for v in values):
+            msg = "give the allowed values, lower case (the default first)"
+            raise schema.SchemaError(msg)
+    return Switch(name, values, patch_id)
+
+
 _PATCH_KEYS = ("id", "file", "summary", "why", "upstream", "drop-when")
 
 
 def _patch(raw: object, directory: Path) -> PatchEntry:
     data = schema.expect_mapping(raw)
-    schema.check_keys(data, required=_PATCH_KEYS, optional=("platforms", "markers"))
+    schema.check_keys(data, required=_PATCH_KEYS, optional=("platforms", "markers", "switches"))
     values: dict[str, Any] = {}
     for key in ("summary", "why", "drop-when", "file"):
         with schema.at_key(key):
@@ -142,14 +175,20 @@ def _patch(raw: object, directory: Path) -> PatchEntry:
             with schema.at_key(index):
                 markers.append(_marker(item, f"patch {patch_id} in {directory / MANIFEST}",
                                        platforms))
+    switches = []
+    with schema.at_key("switches"):
+        for index, item in enumerate(schema.expect_list(data.get("switches", []))):
+            with schema.at_key(index):
+                switches.append(_switch(item, patch_id))
     return PatchEntry(patch_id, values["file"], values["summary"], values["why"], upstream,
-                      values["drop-when"], platforms, tuple(markers))
+                      values["drop-when"], platforms, tuple(markers), tuple(switches))
 
 
 def _check_unique(patches: list[PatchEntry]) -> None:
     ids = [p.id for p in patches]
     marker_ids = [m.id for p in patches for m in p.markers]
-    for label, names in (("patch id", ids), ("marker id", marker_ids)):
+    switch_names = [s.name for p in patches for s in p.switches]
+    for label, names in (("patch id", ids), ("marker id", marker_ids), ("switch", switch_names)):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             msg = f"{label} {dup[0]!r} appears more than once"

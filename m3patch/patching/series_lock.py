@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch import __version__
 from m3patch.errors import UsageError
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import read_json, write_bytes_atomic, write_json_atomic
 from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
 from m3patch.patching.ledger import SHA256_RE, digest
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
+CLI_SPEC = "vllm-cli.json"  # the target vLLM's `vllm serve` options and env names (serving.cli_spec)
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,20 @@ class PatchPin:
 
 
 @dataclass(frozen=True)
+class SpecPin:
+    """The series' launch spec file and the sha256 `series lock` wrote it with."""
+
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class SeriesLock:
     series_id: str
     target_version: str
     target_commit: str | None
     patches: tuple[PatchPin, ...]
+    cli_spec: SpecPin | None = None  # None: locked without one (`series lock --no-cli-spec`)
 
     def pin(self, patch_id: str) -> PatchPin:
         return next(p for p in self.patches if p.id == patch_id)
@@ -99,10 +109,19 @@ def read_lock(path: Path) -> SeriesLock:
         _check_chains(pins)
         target = raw["target"]
         return SeriesLock(str(raw["series"]), str(target["vllm-version"]),
-                          target.get("commit"), pins)
+                          target.get("commit"), pins, _spec_pin(raw.get("cli-spec")))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         msg = f"{path}: unreadable lock ({type(exc).__name__}: {exc})"
         raise UsageError(msg, hint=hint) from None
+
+
+def _spec_pin(raw: Any) -> SpecPin | None:
+    if raw is None:
+        return None
+    if raw.get("file") != CLI_SPEC:  # a fixed name: the lock never points outside its folder
+        msg = f"cli-spec file {raw.get('file')!r} is not {CLI_SPEC!r}"
+        raise ValueError(msg)
+    return SpecPin(CLI_SPEC, str(_sha(raw["sha256"], "cli-spec sha256", optional=False)))
 
 
 def _check_chains(pins: Sequence[PatchPin]) -> None:
@@ -146,10 +165,12 @@ def compute_pins(patches: Sequence[tuple[str, PatchFile, str]],
     return tuple(pins)
 
 
-def _lock_body(series: Series, tree: VllmTree, pins: Sequence[PatchPin]) -> dict[str, Any]:
+def _lock_body(series: Series, tree: VllmTree, pins: Sequence[PatchPin],
+               spec: SpecPin | None) -> dict[str, Any]:
     return {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
             "target": {"vllm-version": series.target_version, "commit": series.target_commit},
             "pinned-from": tree.version + (f" (commit {tree.commit})" if tree.commit else ""),
+            **({} if spec is None else {"cli-spec": {"file": spec.file, "sha256": spec.sha256}}),
             "patches": [{"id": p.id, "file": p.file.rsplit("/", 1)[-1], "sha256": p.sha256,
                          "files": [{"path": f.path, "pre": f.pre, "post": f.post}
                                    for f in p.files]} for p in pins]}
@@ -162,8 +183,9 @@ class LockWritten:
     files: int
 
 
-def lock_series(series: Series, tree: VllmTree) -> LockWritten:
-    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json."""
+def lock_series(series: Series, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
+    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json;
+    with `cli_spec` (the launch spec generated from the same tree) write it and pin its hash."""
     check_target(tree, series.target_version, series.target_commit)
     patches = []
     for entry in series.patches:
@@ -175,8 +197,12 @@ def lock_series(series: Series, tree: VllmTree) -> LockWritten:
         target = safe_target(tree.root, rel)
         pristine[rel] = target.read_bytes() if target.is_file() else None
     pins = compute_pins(patches, pristine)
+    spec = None
+    if cli_spec is not None:
+        write_bytes_atomic(series.directory / CLI_SPEC, cli_spec)
+        spec = SpecPin(CLI_SPEC, digest(cli_spec))
     path = series.directory / LOCK
-    write_json_atomic(path, _lock_body(series, tree, pins))
+    write_json_atomic(path, _lock_body(series, tree, pins, spec))
     return LockWritten(path, len(pins), len(paths))
 
 

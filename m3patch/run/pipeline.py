@@ -50,6 +50,7 @@ from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.output import info, table
 from m3patch.patching.ledger import digest
+from m3patch.patching.locate import VllmTree
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -213,6 +214,7 @@ class RunPipeline:
         self.spec = spec
         self.plan: RunPlan | None = None
         self.ledger_sha256: str | None = None
+        self.located: VllmTree | None = None  # the tree the launch check found; apply patches it
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
         self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
@@ -264,7 +266,11 @@ class RunPipeline:
             require_present(self.plan.recipe)
             # vLLM's own parser, before the tree changes or the node loads anything: every
             # server form the sweep will start.
-            checks = [check_launch(g.recipe, self.plan.python) for g in self.groups()]
+            first, *rest = self.groups()
+            checks = [check_launch(first.recipe, self.plan.python)]
+            self.located = checks[0].tree
+            checks += [check_launch(g.recipe, self.plan.python, located=self.located)
+                       for g in rest]
             where += f"; model files on disk; launch checked by {checks[0].checked_by}"
             if len(checks) > 1:
                 where += f" ({len(checks)} server groups)"
@@ -283,7 +289,7 @@ class RunPipeline:
         plan = self.planned
         if plan.source is not ServerSource.LAUNCHED:
             return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
-        ensured = ensure_tree(plan.recipe, plan.python)
+        ensured = ensure_tree(plan.recipe, plan.python, self.located)
         write_bytes_atomic(plan.run_dir / LEDGER_COPY, ensured.ledger_bytes)
         self.ledger_sha256 = ensured.ledger_sha256
         summary = ensured.report.summary().removeprefix("m3patch: ")

@@ -17,7 +17,7 @@ from m3patch import markers as mk
 from m3patch.errors import UsageError
 from m3patch.output import info
 from m3patch.patching.api import ensure_series
-from m3patch.patching.locate import find_vllm
+from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.model_files import require_present
@@ -100,16 +100,17 @@ def plan_launch(recipe: Recipe, python: str, port: int, log_path: Path,
     return LaunchPlan(spec, tuple(overrides.items()), all_markers(recipe, ledger_sha256), hint)
 
 
-def ensure_tree(recipe: Recipe, python: str) -> EnsuredTree:
-    """The tree `python` imports, made exactly the recipe's series and verified."""
-    return ensure_series(find_vllm(python=python), load_series(recipe.series_dir))
+def ensure_tree(recipe: Recipe, python: str, tree: VllmTree | None = None) -> EnsuredTree:
+    """The tree `python` imports (`tree`: as the launch check found it), made exactly the
+    recipe's series and verified."""
+    return ensure_series(tree or find_vllm(python=python), load_series(recipe.series_dir))
 
 
 def prepare_tree(recipe: Recipe, python: str) -> str:
     """Check the model and the launch (vLLM's own parser) before the tree changes, apply and
     verify; the ledger's sha256 hex."""
     require_present(recipe)
-    check_launch(recipe, python)
-    ensured = ensure_tree(recipe, python)
+    checked = check_launch(recipe, python)
+    ensured = ensure_tree(recipe, python, checked.tree)
     info(ensured.report.summary().removeprefix("m3patch: "))
     return ensured.ledger_sha256

@@ -1,11 +1,14 @@
 """Run by the TARGET interpreter (never imported by m3patch): vLLM's own `vllm serve` parser.
 
 `m3patch.serving.vllm_parser` passes this file's text to `python -c` with a JSON request on
-stdin: {"argv": [...]} (the arguments after `vllm serve`). It builds the parser exactly as
-`vllm serve` does (`make_arg_parser` on a `FlexibleArgumentParser`), dumps its actions, and
-parses the argv without abbreviations, turning argparse's exit into a message. Nothing here
-starts an engine or touches a device: only the CLI modules are imported. It depends on the
-standard library and vLLM only, and prints one line `M3PATCH_PROBE_JSON: {...}` on stdout
+stdin: {"argv": [...], "spec": bool} (the arguments after `vllm serve`). It builds the parser
+exactly as `vllm serve` does (`make_arg_parser` on a `FlexibleArgumentParser`), dumps its
+actions (every option string the parser accepts, hidden ones included) and the vLLM files it was
+built from, and parses the argv without abbreviations, turning argparse's exit into a message;
+with "spec", also each JSON option's config-class keys (the series' launch spec). `import vllm`
+failing for want of vllm itself is "no_vllm"; failing for any other reason is "import_error".
+Nothing here starts an engine or touches a device: only the CLI modules are imported. It depends
+on the standard library and vLLM only, and prints one line `M3PATCH_PROBE_JSON: {...}` on stdout
 (vLLM may log to stdout too).
 """
 
@@ -42,10 +45,12 @@ def _serve_parser() -> tuple[Any, Any]:
     raise ImportError(msg)
 
 
-def _action(action: argparse.Action) -> dict[str, Any]:
+def _action(action: argparse.Action, registered: list[str]) -> dict[str, Any]:
     choices = action.choices
     return {
-        "options": list(action.option_strings), "dest": action.dest,
+        # Every string the parser accepts for it: vLLM hides some from `option_strings` (0.33's
+        # EnableDisableAction keeps `--no-enable-x` registered but shows `--disable-x` only).
+        "options": sorted(set(action.option_strings) | set(registered)), "dest": action.dest,
         "takes_value": action.nargs != 0,
         "negatable": isinstance(action, argparse.BooleanOptionalAction),
         "choices": None if choices is None else [str(c) for c in choices],
@@ -96,27 +101,68 @@ def _parse(parser: Any, validate: Any, argv: list[str]) -> tuple[str | None, arg
     return None, namespace
 
 
+def _json_keys(actions: list[argparse.Action]) -> dict[str, list[str]]:
+    """For the shipped spec: each JSON option's config-class keys (first option string)."""
+    classes = _config_classes()
+    out = {}
+    for action in actions:
+        cls = classes.get(action.dest.replace("_", ""))
+        if cls is not None and dataclasses.is_dataclass(cls):
+            out[action.option_strings[0]] = sorted(f.name for f in dataclasses.fields(cls))
+    return out
+
+
+def _vllm_files(init_file: str) -> list[str]:
+    """The tree's files this answer came from (paths below the package): the caller keys its
+    cache on their contents, so a series that patches none of them keeps the answer."""
+    from pathlib import Path
+
+    package = Path(init_file).resolve().parent
+    out = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            real = Path(path).resolve()
+            if package in real.parents:
+                out.add(real.relative_to(package).as_posix())
+    return sorted(out)
+
+
+def _say(result: dict[str, Any]) -> None:
+    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
     try:
         import vllm
-    except ImportError as exc:  # the caller falls back to its static checks and says why
-        sys.stdout.write("\n" + RESULT_PREFIX + json.dumps({"no_vllm": str(exc)}) + "\n")
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":  # vLLM is there but one of its imports is missing: not "no vLLM"
+            _say({"import_error": f"{type(exc).__name__}: {exc}"})
+            return
+        _say({"no_vllm": str(exc)})  # the caller checks with the series' spec and says why
+        return
+    except Exception as exc:  # any failure importing vLLM is the answer
+        _say({"import_error": f"{type(exc).__name__}: {exc}"})
         return
     parser, validate = _serve_parser()
     actions = [a for a in parser._actions if a.option_strings]
     result: dict[str, Any] = {
         "vllm_version": getattr(vllm, "__version__", "unknown"),
         "vllm_file": vllm.__file__,
-        "actions": [_action(a) for a in actions],
+        "actions": [_action(a, [o for o, r in parser._option_string_actions.items() if r is a])
+                    for a in actions],
     }
     argv = request.get("argv")
     if argv is not None:
         error, namespace = _parse(parser, validate, argv)
         result["parse_error"] = error
         result["unknown_keys"] = [] if namespace is None else _unknown_keys(namespace, actions, argv)
-    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    if request.get("spec"):
+        result["json_keys"] = _json_keys(actions)
+    result["vllm_files"] = _vllm_files(vllm.__file__)
+    _say(result)
 
 
 if __name__ == "__main__":

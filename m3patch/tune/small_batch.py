@@ -1,5 +1,5 @@
 """Small-batch decode against the fp8 weight-read floor: the configs to try and how a run is
-read. Pure (scripts/small_batch_h200.py measures; tests/tune/test_tune_small_batch.py checks
+read. Pure (scripts/measure/h200/small_batch_h200.py measures; tests/tune/test_tune_small_batch.py checks
 this module on the recorded H200 figures).
 
 At M <= 8 the TP8 shape (E=128, N=384, top-4) runs vLLM's naive path: one token-expert pair
@@ -93,7 +93,7 @@ def time_at_target(floor_us: float, target: float = FLOOR_TARGET) -> float:
 
 def split_k_picks(run: Mapping[str, Any], tolerance: float, where: str = "small-batch run"
                   ) -> dict[int, dict[str, Any]]:
-    """From a small-batch run (scripts/small_batch_h200.py's JSON): per batch size the judge's
+    """From a small-batch run (scripts/measure/h200/small_batch_h200.py's JSON): per batch size the judge's
     record for its fastest split-K config, kept only where the judge chose it over vLLM's
     default and its relative error on both seeds is a number within `tolerance` (NaN fails).
     The run is read back as untrusted: a missing or mistyped field is ResultsInvalid naming it."""

@@ -1,5 +1,5 @@
 """The Slurm launcher for real: a two-node loopback cluster (Debian slurm-wlm + munge,
-scripts/slurm_loopback.sh), the DP recipe's sbatch job (one `serve --role/--rank` task per
+scripts/testbed/slurm_loopback.sh), the DP recipe's sbatch job (one `serve --role/--rank` task per
 node, `srun --kill-on-bad-exit`), a request through the head, and a killed node ending the whole
 job within the deadline with no process left (~100 s here, in CI); and, `extended`, the sweep
 through Slurm: from the batch step once the head is ready, and as an array job of one task per
@@ -72,7 +72,7 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
                "apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
         absent("the loopback Slurm cluster needs root (slurmd, cgroups)")
-    script = REPO / "scripts" / "slurm_loopback.sh"
+    script = REPO / "scripts" / "testbed" / "slurm_loopback.sh"
     start = subprocess.run(["bash", str(script), "start", str(tmp_path / "slurm")],
                            capture_output=True, text=True, timeout=120, check=False)
     assert start.returncode == 0, start.stderr

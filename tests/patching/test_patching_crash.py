@@ -1,4 +1,4 @@
-"""A small version of scripts/crash_soak.py: random SIGKILLs, then 8 concurrent mixed runs.
+"""A small version of scripts/measure/crash_soak.py: random SIGKILLs, then 8 concurrent mixed runs.
 
 The full figures (hundreds of kills, 8/16/32 concurrent) come from the script and are published
 in docs/reliability.md; this keeps the invariants in CI at a few seconds' cost.

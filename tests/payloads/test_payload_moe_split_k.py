@@ -10,11 +10,15 @@ GPU (`-m gpu`, on the device: `M3PATCH_TUNE_VLLM_SOURCE` = the patched tree, and
 kernel_source, on fresh random data (NaN-poisoned outputs: an element no program wrote fails)
 against the float32 reference for every split the launcher allows at the TP8 decode shape; at
 split_k 1 bitwise equal to the pristine kernel; the counters are back to zero after a pass.
+On a ROCm GPU (gfx942/gfx950), where the split's handoff is not proven: a split entry runs
+unsplit, bit for bit the split-1 output. CPU: the platform gate, the workspace reserved when a
+table asking for SPLIT_K is read, and balanced K slices from the patched kernel's own text.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -48,7 +52,17 @@ class _Recorder:
     warning_once = info_once
 
 
-def _split_helper(source: str) -> tuple[Any, dict[str, Any]]:
+class _Platform:
+    """vLLM's `current_platform`, reduced to the one question the launcher asks."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def is_cuda(self) -> bool:
+        return self.cuda
+
+
+def _split_helper(source: str, cuda: bool = True) -> tuple[Any, dict[str, Any]]:
     """`_m3patch_split_k` and its module-level names, executed from the patched text."""
     torch = pytest.importorskip("torch")
     module = ast.parse(source)
@@ -60,9 +74,12 @@ def _split_helper(source: str) -> tuple[Any, dict[str, Any]]:
                    and isinstance(node.target, ast.Name) else [])
         if any(name.startswith(("_M3PATCH_SPLITK", "_m3patch_splitk")) for name in targets):
             keep.append(node)
-        if isinstance(node, ast.FunctionDef) and node.name == "_m3patch_split_k":
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_m3patch_split"):
             keep.append(node)
-    namespace: dict[str, Any] = {"torch": torch, "logger": _Recorder()}
+        if isinstance(node, ast.FunctionDef) and node.name == "_m3patch_reserve_split_k":
+            keep.append(node)
+    namespace: dict[str, Any] = {"torch": torch, "Any": Any, "logger": _Recorder(),
+                                 "current_platform": _Platform(cuda)}
     exec(compile(ast.Module(body=keep, type_ignores=[]), FUSED_MOE, "exec"), namespace)
     return namespace["_m3patch_split_k"], namespace
 
@@ -76,14 +93,87 @@ def test_launcher_splits_only_long_k_loops(patched_source: str) -> None:
     assert set(args) == {"splitk_ws_ptr", "splitk_lock_ptr"}
     assert int(args["splitk_lock_ptr"].abs().sum()) == 0  # counters start at zero
     assert split_k(24, 48, 16 * 64, 48, cpu)[0] == 12  # every slice keeps >= 4 iterations
+    assert split_k(6, 48, 16 * 64, 25, cpu)[0] == 6  # 25 // 4: balanced slices of 4 or 5
     assert split_k(8, 4 * 96, 16 * 64, 3, cpu) == (1, {})  # GEMM2: K=384 never splits
     assert split_k(8, ns["_M3PATCH_SPLITK_TILES"] + 1, 16 * 64, 48, cpu) == (1, {})
     too_big = ns["_M3PATCH_SPLITK_WS_FLOATS"] // (8 * 16 * 64) + 1
     assert split_k(8, too_big, 16 * 64, 48, cpu) == (1, {})
     again = split_k(4, 48, 16 * 64, 48, cpu)[1]
-    assert again["splitk_ws_ptr"] is args["splitk_ws_ptr"]  # one workspace per device
+    assert again["splitk_ws_ptr"] is args["splitk_ws_ptr"]  # one workspace per device+stream
+    assert list(ns["_m3patch_splitk_buffers"]) == [(cpu, None)]
     assert ns["logger"].lines == ["m3patch[split-k]: fused_moe_kernel splits K per table "
-                                  "entry (SPLIT_K)"]
+                                  "entry (SPLIT_K); workspace 16.25 MiB on cpu stream None"]
+
+
+def test_no_split_where_the_handoff_is_unproven(patched_source: str) -> None:
+    """ROCm (any platform but CUDA): the same entry runs unsplit, no workspace is made, and
+    reading a table that asks for SPLIT_K reserves nothing."""
+    split_k, ns = _split_helper(patched_source, cuda=False)
+    cpu = pytest.importorskip("torch").device("cpu")
+    assert split_k(8, 48, 16 * 64, 48, cpu) == (1, {})
+    ns["_m3patch_reserve_split_k"]({1: {"SPLIT_K": 8}})
+    assert ns["_m3patch_splitk_buffers"] == {} and ns["logger"].lines == []
+
+
+def test_reading_a_split_table_reserves_the_workspace(
+        patched_source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_moe_configs hands every table it reads to the reservation, which allocates only
+    for a table with an entry above SPLIT_K 1 (on the current CUDA device and stream)."""
+    assert "_m3patch_reserve_split_k(table)" in patched_source[
+        patched_source.index("def get_moe_configs("):]
+    _, ns = _split_helper(patched_source)
+    torch = pytest.importorskip("torch")
+    seen: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ns["_m3patch_splitk_workspace"] = seen.append
+    ns["_m3patch_reserve_split_k"]({1: {"BLOCK_SIZE_M": 16}, 8: {"SPLIT_K": 1}})
+    assert seen == []
+    ns["_m3patch_reserve_split_k"]({1: {"SPLIT_K": 8}, 8: {"BLOCK_SIZE_M": 16}})
+    assert seen == [torch.device("cuda", 0)]
+
+
+def _slice_bounds(source: str) -> Any:
+    """The kernel's two slice-bound assignments, as the patched text writes them."""
+    kernel = next(n for n in ast.parse(source).body
+                  if isinstance(n, ast.FunctionDef) and n.name == "fused_moe_kernel")
+    def wanted(node: ast.AST) -> bool:
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)):
+            return False
+        name = node.targets[0].id
+        return name == "k_tiles" or (name in ("k_first", "k_last")
+                                     and "pid_k" in ast.unparse(node.value))
+
+    bounds = [n for n in ast.walk(kernel) if wanted(n)]
+    assert [ast.unparse(b.targets[0]) for b in bounds if isinstance(b, ast.Assign)] == \
+        ["k_tiles", "k_first", "k_last"]
+    code = compile(ast.Module(body=list(bounds), type_ignores=[]), FUSED_MOE, "exec")
+
+    class _Tl:
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+    def run(k_iters: int, split: int, pid_k: int) -> tuple[int, int]:
+        ns = {"tl": _Tl, "K": k_iters * 128, "BLOCK_SIZE_K": 128, "SPLIT_K": split,
+              "pid_k": pid_k}
+        exec(code, ns)
+        return ns["k_first"], ns["k_last"]
+
+    return run
+
+
+def test_kernel_slices_are_balanced(patched_source: str) -> None:
+    """Every split the launcher allows (>= 4 iterations a slice on average) covers the K loop
+    exactly once in slices of floor or ceil of the average: none shorter than 4."""
+    bounds = _slice_bounds(patched_source)
+    for k_iters in range(8, 97):
+        for split in range(2, k_iters // 4 + 1):
+            slices = [bounds(k_iters, split, p) for p in range(split)]
+            assert slices[0][0] == 0 and slices[-1][1] == k_iters
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+            sizes = {last - first for first, last in slices}
+            assert sizes <= {k_iters // split, -(-k_iters // split)} and min(sizes) >= 4
 
 
 def test_kernel_takes_the_buffers_the_launcher_passes(patched_source: str) -> None:
@@ -135,7 +225,7 @@ def test_split_k_matches_the_reference_on_fresh_data(batch: int) -> None:
     tp8 = MoEShape(128, 384, 6144, 4, "fp8_w8a8", (128, 128), False)
     new = MoEBench(load_from_source(patched).kernel, tp8, seed=100 + batch)
     setup = new.setup(batch, rotations=2)
-    for split in (2, 3, 4, 6, 8, 12):
+    for split in (2, 3, 4, 5, 6, 7, 8, 12):  # 5 and 7: slices of unequal length
         for n, warps in ((32, 2), (64, 4), (128, 4)):
             cfg = TileConfig(16, n, 128, 1, warps, 3, split)
             err = new.check(setup, cfg)  # raises ConfigFailed on NaN or error > TOLERANCE
@@ -151,3 +241,30 @@ def test_split_k_matches_the_reference_on_fresh_data(batch: int) -> None:
     old.check(old_setup, plain)
     assert torch.equal(out1.view(torch.int16), old_setup.c1[0].view(torch.int16))
     assert torch.equal(out2.view(torch.int16), old_setup.c2[0].view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_rocm_runs_split_entries_unsplit() -> None:
+    """On a gfx942/gfx950 (a ROCm torch build with a GPU): a table entry with SPLIT_K runs the
+    patched kernel unsplit, so its output equals the same tile's at split 1 bit for bit and is
+    within the tolerance of the float32 reference; the split handoff is not proven there."""
+    torch = pytest.importorskip("torch")
+    if torch.version.hip is None or not torch.cuda.is_available():
+        pytest.skip("needs a ROCm GPU")
+    from m3patch.tune.kernel_source import load_from_source
+    from m3patch.tune.kernel_timer import TOLERANCE, MoEBench
+    from m3patch.tune.launch import effective_split
+    from m3patch.tune.shapes import MoEShape
+    from m3patch.tune.tile import TileConfig
+
+    patched, _ = _gpu_sources()
+    tp8 = MoEShape(128, 384, 6144, 4, "fp8_w8a8", (128, 128), False)
+    bench = MoEBench(load_from_source(patched).kernel, tp8, seed=7)
+    setup = bench.setup(1, rotations=1)
+    assert bench.check(setup, TileConfig(16, 64, 128, 1, 4, 3)) <= TOLERANCE
+    plain = setup.c1[0].clone()
+    for split in (2, 4, 8):
+        cfg = TileConfig(16, 64, 128, 1, 4, 3, split)
+        assert effective_split(cfg, 6144, 128) == 1
+        assert bench.check(setup, cfg) <= TOLERANCE
+        assert torch.equal(setup.c1[0].view(torch.int16), plain.view(torch.int16))

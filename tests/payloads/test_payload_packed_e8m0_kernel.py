@@ -2,7 +2,7 @@
 
 The unpack helper is the real @triton.jit function from the patched tree, run under Triton's
 interpreter (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are
-defined). dot_scaled itself cannot run here; scripts/gpu_packed_e8m0.py checks the full GEMM on
+defined). dot_scaled itself cannot run here; scripts/measure/h200/gpu_packed_e8m0.py checks the full GEMM on
 the GPU (docs/results/packed-e8m0/).
 """
 

@@ -8,6 +8,7 @@ import json
 import py_compile
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from series_lock_check import assert_lock_is_current
@@ -100,7 +101,7 @@ def test_collectives_equal_the_single_process_reference(cpu_venv: Path, tree_032
         assert all(v.startswith("error NotImplementedError") for v in verdicts.values()), verdicts
 
 
-def connector_warnings(python: Path, module_file: Path, work: Path) -> dict[str, list[str]]:
+def connector_warnings(python: Path, module_file: Path, work: Path) -> dict[str, Any]:
     work.mkdir()
     proc = subprocess.run([str(python), str(CONNECTOR_WORKER), str(module_file), str(work / "kv"),
                            str(work / "out.json")], capture_output=True, text=True, cwd=work,
@@ -117,12 +118,27 @@ def test_example_connector_warns_only_about_a_skipped_load(cpu_venv: Path, tree_
     apply_series(tree_at(tree_032), load_series(SERIES))
 
     patched = connector_warnings(python, tree_032 / CONNECTOR, tmp_path / "patched")
+    no_forward = patched["no_forward"]
     # a step without a forward and without a load (every no-token step) is quiet
-    assert patched["no_request"] == [] and patched["store_only"] == [], patched
+    assert no_forward["no_request"] == [] and no_forward["store_only"] == [], no_forward
     # a load that would be skipped still warns, with the line recipes forbid, and counts the loads
     for case in ("one_load", "store_and_load"):
-        [line] = patched[case]
+        [line] = no_forward[case]
         assert line.startswith(SKIPPED) and "m3patch[example-connector]: 1 KV load(s) skipped" in line
+    # a plain step injects the stored KV and stays quiet; a micro-batched (DBO) step cannot
+    # inject (attn_metadata is a list) and says so with the count, without a false "Inject" line
+    plain, dbo = patched["dbo"]["plain"], patched["dbo"]["micro_batched"]
+    assert plain["warnings"] == [] and len(plain["injects"]) == 1, plain
+    assert plain["injected"] == plain["stored"] > 0, plain
+    assert dbo["injects"] == [] and dbo["injected"] == 0.0, dbo
+    [line] = dbo["warnings"]
+    assert "attn_metadata is a list" in line
+    assert "m3patch[example-connector]: 1 KV load(s) skipped" in line
+
     # the unpatched module warns on every no-forward step: the noise the patch removes
     pristine = connector_warnings(python, pristine_file, tmp_path / "pristine")
-    assert all(lines == [SKIPPED] for lines in pristine.values()), pristine
+    assert all(lines == [SKIPPED] for lines in pristine["no_forward"].values()), pristine
+    # and under DBO it logs "Inject KV cache" while the cache receives nothing: the silent skip
+    dbo = pristine["dbo"]["micro_batched"]
+    assert dbo["warnings"] == [] and len(dbo["injects"]) == 1 and dbo["injected"] == 0.0, dbo
+    assert pristine["dbo"]["plain"]["injected"] == pristine["dbo"]["plain"]["stored"]

@@ -109,7 +109,7 @@ def test_make_patch_reproduces_the_committed_patches(pristine_033: Path, vllm_tr
     base = copy_tree(pristine_033, tmp_path / "base" / "site-packages")
     apply_series(tree_at(base), replace(series, patches=series.patches[:upto]))
     apply_series(tree_at(vllm_tree), series)
-    script = REPO / "scripts" / "make_patch.py"
+    script = REPO / "scripts" / "maintain" / "make_patch.py"
     for patch in sorted([*SERIES.glob("000[234]-*.patch"), *SERIES.glob("0007-*.patch")]):
         files = [fp.path for fp in parse_patch(patch.read_bytes(), patch.name).files]
         out = tmp_path / patch.name

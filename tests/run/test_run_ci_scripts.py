@@ -1,4 +1,4 @@
-"""CI's check of the demo's printed output (scripts/check_demo_output.py) on a real demo log.
+"""CI's check of the demo's printed output (scripts/ci/check_demo_output.py) on a real demo log.
 
 tests/data/demo/: the tail of `bash scripts/demo.sh` on the 2-core machine (2026-12-01, the
 osl-16 workload; checkout and home paths made relative) and that run's aggregate.json.
@@ -17,7 +17,7 @@ DATA = REPO / "tests" / "data" / "demo"
 
 def _checker() -> ModuleType:
     spec = importlib.util.spec_from_file_location("check_demo_output",
-                                                  REPO / "scripts" / "check_demo_output.py")
+                                                  REPO / "scripts" / "ci" / "check_demo_output.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,6 @@
 """Fuzz m3patch's loaders through the CLI entry and publish how many inputs ended cleanly.
 
-    python scripts/fuzz_loaders.py [--per-loader 2000] [--seed 0] [--out docs/results/reliability]
+    python scripts/measure/fuzz_loaders.py [--per-loader 2000] [--seed 0] [--out docs/results/reliability]
 
 Each loader (series manifest, series lock, recipe, changelog, unified diff, bench aggregate,
 vLLM bench result file) starts from a real, valid input of this repository and is mutated
@@ -405,7 +405,7 @@ def cli(argv: list[str] | None = None) -> int:
                      "failures": tally.failures[:20], "seconds": round(time.monotonic() - t0, 1)})
     _print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    body = {"command": "python scripts/fuzz_loaders.py " + " ".join(argv or sys.argv[1:]),
+    body = {"command": "python scripts/measure/fuzz_loaders.py " + " ".join(argv or sys.argv[1:]),
             "seed": args.seed, "per_loader": args.per_loader,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "rows": rows}
     out = args.out / "fuzz_loaders.json"

@@ -1,9 +1,9 @@
 """Mutated inputs to every loader, through the CLI entry: a documented exit code and an m3patch
 message for each, never a traceback, a crash log (exit 70) or a hang.
 
-The mutation engine and the oracle live in scripts/fuzz_loaders.py, which runs many more inputs
+The mutation engine and the oracle live in scripts/measure/fuzz_loaders.py, which runs many more inputs
 for docs/reliability.md; here each loader gets FUZZ_INPUTS inputs with a fixed seed, so a failure
-reproduces with `python scripts/fuzz_loaders.py --per-loader 120 --only LOADER`.
+reproduces with `python scripts/measure/fuzz_loaders.py --per-loader 120 --only LOADER`.
 """
 
 from __future__ import annotations

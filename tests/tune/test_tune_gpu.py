@@ -18,7 +18,7 @@ CARRIED = Path(".devcarry")
 
 
 def _source() -> Path:
-    """The vLLM tree to cut the kernel from: M3PATCH_TUNE_VLLM_SOURCE (scripts/tune_h200.sh
+    """The vLLM tree to cut the kernel from: M3PATCH_TUNE_VLLM_SOURCE (scripts/measure/h200/tune_h200.sh
     sets it to the carried folder), .devcarry/, else the cached pristine tree."""
     if os.environ.get("M3PATCH_TUNE_VLLM_SOURCE"):
         return Path(os.environ["M3PATCH_TUNE_VLLM_SOURCE"])

@@ -1,7 +1,7 @@
 """The small-batch split-K decision logic on the recorded H200 runs (CPU only).
 
 Fixtures are the committed device outputs in docs/results/tune-h200/small-batch/: call1's
-sweep (scripts/small_batch_h200.py), call2's two `tune --check` runs of the candidate table,
+sweep (scripts/measure/h200/small_batch_h200.py), call2's two `tune --check` runs of the candidate table,
 call3's bench of the shipped tables.
 """
 
@@ -68,6 +68,13 @@ def test_launcher_splits_gemm1_only() -> None:
     assert effective_split(TileConfig(16, 64, 128, 1, 4, 3, 24), 6144, 128) == \
         48 // MIN_K_ITERS_PER_SPLIT
     assert effective_split(TileConfig(16, 64, 64, 1, 4, 3, 24), 6144, 64) == 24
+
+
+def test_no_split_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ROCm torch build times a split config unsplit, as patched vLLM runs it there."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert effective_split(TileConfig(16, 64, 128, 1, 4, 3, 8), 6144, 128) == 1
 
 
 class _Sized:
@@ -160,9 +167,9 @@ def test_no_recorded_batch_reached_the_target() -> None:
 
 def test_shipped_table_is_what_the_ship_step_makes(tmp_path: Path) -> None:
     """docs/results/tune-h200/tables (what patch 0005 ships) is reproduced byte for byte by
-    scripts/ship_small_batch.py from the judged tables, call1's run and call2's checks."""
+    scripts/maintain/ship_small_batch.py from the judged tables, call1's run and call2's checks."""
     out = tmp_path / "tables"
-    subprocess.run([sys.executable, str(REPO / "scripts/ship_small_batch.py"),
+    subprocess.run([sys.executable, str(REPO / "scripts/maintain/ship_small_batch.py"),
                     "--tables", "docs/results/tune-h200/judged-tables",
                     "--run", "docs/results/tune-h200/small-batch/call1/small-batch.json",
                     "--check", "docs/results/tune-h200/small-batch/call2/check-tp8-run1.json",
