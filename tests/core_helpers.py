@@ -57,8 +57,9 @@ def append_diff(root: Path, rel: str, line: str) -> str:
     return f"diff --git a/{rel} b/{rel}\n" + "".join(diff)
 
 
-def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Path:
-    """A locked series (ids p1, p2, ...) of these diffs, pinned against `pristine_root`."""
+def make_series(directory: Path, pristine_root: Path | None, patches: list[str]) -> Path:
+    """A locked series (ids p1, p2, ...) of these diffs, pinned against `pristine_root`;
+    with `pristine_root` None, not locked (a test that locks it itself)."""
     from m3patch.main import main
 
     directory.mkdir(parents=True)
@@ -69,6 +70,8 @@ def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Pat
                        "why: w, upstream: [], drop-when: never}\n")
     (directory / "series.yaml").write_text(
         "schema: 1\nid: made\ntarget: {vllm-version: '0.33.0'}\npatches:\n" + "".join(entries))
+    if pristine_root is None:
+        return directory
     with contextlib.redirect_stdout(io.StringIO()):
         code = main(["series", "lock", "--series", str(directory), "--tree", str(pristine_root)])
     assert code == 0, f"series lock failed with {code}"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from core_helpers import CliRunner, new_file_diff
+from core_helpers import CliRunner, make_series, new_file_diff
 
 from m3patch import errors
 from m3patch.main import main
@@ -37,15 +37,8 @@ def sha(data: bytes) -> str:
 
 
 def series_of(folder: Path, *patches: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for index, text in enumerate(patches, start=1):
-        (folder / f"{index:04d}-p{index}.patch").write_text(text)
-        entries.append(f"  - {{id: p{index}, file: {index:04d}-p{index}.patch, summary: s, "
-                       "why: w, upstream: [], drop-when: never}\n")
-    (folder / "series.yaml").write_text(
-        "schema: 1\nid: hostile\ntarget: {vllm-version: '0.33.0'}\npatches:\n" + "".join(entries))
-    return folder
+    """An unlocked series of these diffs (each test locks it, or expects the lock to refuse)."""
+    return make_series(folder, None, list(patches))
 
 
 def state(root: Path) -> Path:
