@@ -35,9 +35,10 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 29   | RunDirBusy            | another live set holds the multi-node run folder               |
 | 31   | AgenticClientError    | AIPerf (the agentic client) is missing, not the pinned version, failed, or left no valid export |
 | 32   | KvOffloadError        | the KV-offload tier failed: LMCache not the pinned version, a server not healthy by its deadline |
+| 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
 | 37   | WaiverIncomplete      | `series waiver`: a series entry lacks why, upstream or drop-when |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
-| 130  | Interrupted           | SIGINT/SIGTERM                                                 |
+| 130  | Interrupted           | SIGINT/SIGTERM (SIGHUP/SIGQUIT where not ignored)             |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
 """
 
@@ -203,6 +204,13 @@ class KvOffloadError(M3PatchError):
     exit_code = 32
 
 
+class UnsafeState(M3PatchError):
+    """A folder m3patch keeps state in (a run folder, a cache) is a symlink, not a folder, or
+    owned by another user: nothing is written through it."""
+
+    exit_code = 34
+
+
 class WaiverIncomplete(M3PatchError):
     """An InferenceX patch waiver cannot be written: a series entry states no why, upstream or
     drop-when (the waiver's reason, links and removal plan)."""
@@ -221,5 +229,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
-    NodeLost, NodeAddress, RunDirBusy, OutputFailed, WaiverIncomplete, Interrupted,
+    NodeLost, NodeAddress, RunDirBusy, OutputFailed, UnsafeState, WaiverIncomplete, Interrupted,
 )

@@ -10,17 +10,83 @@ that names the file, so no caller ends in a traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import re
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from m3patch.errors import M3PatchError, TreeIOError
+from m3patch.errors import M3PatchError, TreeIOError, UnsafeState
 
 DEFAULT_MODE = 0o644
 TEMP_MARK = ".tmp"  # temp names: .<name>.tmp<pid>; writer.recover sweeps a killed run's leftovers
+
+
+def _owners() -> set[int]:
+    """Who may own a folder m3patch writes through: this user, and root (a container's trees
+    and system caches), never a third user who could swap its entries for links."""
+    return {os.geteuid(), 0}
+
+
+def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = UnsafeState) -> Path:
+    """`path` as a real folder that this user (or root) owns, checked before anything is written
+    through it: a symlink (dangling or not), a FIFO, a file or another user's folder is `error`.
+    With `create`, a missing folder is made (its parent must exist); `path` is returned."""
+    hint = f"move {path} aside (m3patch never writes through a link or another user's folder)"
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        if not create:
+            msg = f"{path}: missing"
+            raise error(msg, hint=hint) from None
+        try:
+            path.mkdir(mode=0o755)
+        except FileExistsError:
+            pass  # another run made it between the two calls: checked below
+        except OSError as exc:
+            msg = f"{path}: cannot create the folder: {exc.strerror or exc}"
+            raise TreeIOError(msg, hint=f"check that {path.parent} is writable") from None
+        info = path.lstat()
+    except OSError as exc:
+        msg = f"{path}: cannot inspect: {exc.strerror or exc}"
+        raise error(msg, hint=hint) from None
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = f"a symlink (-> {path.readlink()}), not a folder"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "not a folder"
+    elif info.st_uid not in _owners():
+        problem = f"owned by uid {info.st_uid}, not by this user ({os.geteuid()}) or root"
+    if problem is not None:
+        msg = f"{path}: {problem}"
+        raise error(msg, hint=hint)
+    return path
+
+
+def owned_dirs(base: Path, path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:
+    """`owned_dir` on every folder from `base` (which must already be safe) down to `path`,
+    creating the missing ones: the whole way below `base` is real folders, never a link."""
+    rel = path.relative_to(base)
+    current = base
+    for part in rel.parts:
+        current = owned_dir(current / part, create=True, error=error)
+    return path
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]{1,64}")
+
+
+def safe_name(key: str) -> str:
+    """A cache key as one file name: kept when it is short plain text (letters, digits, . _ + -,
+    not starting with a dot), else a sha256 prefix of the key; never a path of its own."""
+    if _SAFE_NAME.fullmatch(key) and not key.startswith("."):
+        return key
+    return "k-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -154,18 +220,46 @@ def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint
     return value
 
 
+STATE_MAX_BYTES = 256 << 20  # no state file m3patch writes comes near this
+
+
+def read_state(path: Path, limit: int = STATE_MAX_BYTES) -> bytes:
+    """The bytes of a state file m3patch wrote, read as untrusted: never through a symlink
+    (ELOOP), only a regular file (a FIFO would block, /dev/zero never ends: EINVAL), at most
+    `limit` bytes (EFBIG). Raises OSError (FileNotFoundError when missing), like read_bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks = []
+        size = 0
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path, *, error: type[M3PatchError], hint: str, expect: type = object,
               missing_ok: bool = False) -> Any:
-    """Read and parse `path`; None for a missing file when `missing_ok`, else `error`."""
+    """Read and parse `path` (`read_state`: no link, no FIFO, no device, bounded); None for a
+    missing file when `missing_ok`, else `error`."""
     try:
-        data = path.read_bytes()
+        data = read_state(path)
     except FileNotFoundError:
         if missing_ok:
             return None
         msg = f"{path}: missing"
         raise error(msg, hint=hint) from None
     except OSError as exc:
-        msg = f"{path}: cannot read ({exc.strerror or exc})"
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror or exc
+        msg = f"{path}: cannot read ({why})"
         raise error(msg, hint=hint) from None
     return parse_json(data, str(path), error=error, hint=hint, expect=expect)
 

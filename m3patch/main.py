@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from m3patch import __version__
 
@@ -72,6 +72,19 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     return argv, None, []
 
 
+class _JsonUsageParser(argparse.ArgumentParser):
+    """Under --json a command-line error is the JSON object too (a usage error, exit 2), so a
+    script reading stdout gets an object, never a bare usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        from m3patch.errors import UsageError
+        from m3patch.patching import report_json
+
+        report_json.start(self.prog.removeprefix("m3patch "))
+        msg = f"{self.prog}: {message}"
+        raise UsageError(msg, hint=f"{self.prog} --help")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
@@ -100,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             memo.forbid_writes()
         module = importlib.import_module(COMMANDS[name].module)
-        parser = argparse.ArgumentParser(
+        parser_class = _JsonUsageParser if "--json" in rest else argparse.ArgumentParser
+        parser = parser_class(
             prog=f"m3patch {name}", description=COMMANDS[name].help, allow_abbrev=False
         )
         module.add_arguments(parser)

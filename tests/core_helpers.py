@@ -57,8 +57,9 @@ def append_diff(root: Path, rel: str, line: str) -> str:
     return f"diff --git a/{rel} b/{rel}\n" + "".join(diff)
 
 
-def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Path:
-    """A locked series (ids p1, p2, ...) of these diffs, pinned against `pristine_root`."""
+def make_series(directory: Path, pristine_root: Path | None, patches: list[str]) -> Path:
+    """A locked series (ids p1, p2, ...) of these diffs, pinned against `pristine_root`;
+    with `pristine_root` None, not locked (a test that locks it itself)."""
     from m3patch.main import main
 
     directory.mkdir(parents=True)
@@ -69,6 +70,8 @@ def make_series(directory: Path, pristine_root: Path, patches: list[str]) -> Pat
                        "why: w, upstream: [], drop-when: never}\n")
     (directory / "series.yaml").write_text(
         "schema: 1\nid: made\ntarget: {vllm-version: '0.33.0'}\npatches:\n" + "".join(entries))
+    if pristine_root is None:
+        return directory
     with contextlib.redirect_stdout(io.StringIO()):
         code = main(["series", "lock", "--series", str(directory), "--tree", str(pristine_root)])
     assert code == 0, f"series lock failed with {code}"
@@ -87,3 +90,22 @@ def tree_listing(root: Path) -> set[str]:
     """Every file and folder under root/vllm, m3patch's own state folder left out."""
     return {str(p.relative_to(root)) for p in (root / "vllm").rglob("*")
             if ".m3patch" not in p.parts}
+
+
+def gate_recorded_run(run: Path, recipe: Path, *, eval_passed: bool | None = None) -> None:
+    """Make a copied recorded run folder read as measured on a server m3patch verified and gated,
+    launched from exactly `recipe` (what `ci --resume` keeps); with `eval_passed`, also record
+    an eval/eval.json of that verdict from the same server."""
+    import hashlib
+    import json
+
+    provenance = {"verified": True, "server": "m3patch serve",
+                  "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
+    for cell in (run / "cells").glob("*.json"):
+        data = json.loads(cell.read_text())
+        data["m3patch"]["provenance"].update(provenance)
+        cell.write_text(json.dumps(data))
+    if eval_passed is not None:
+        (run / "eval").mkdir(exist_ok=True)
+        (run / "eval" / "eval.json").write_text(json.dumps(
+            {"schema": 1, "passed": eval_passed, "provenance": provenance, "tasks": []}))

@@ -6,6 +6,10 @@ with a different shape, is listed and never given a change figure: a TP4 number 
 number is a deployment change, not a speedup (the seed's own caveat). A cell whose metric is
 n/a on either side (decode figures of a burst: m3patch.bench.aggregate) is listed with the
 reason and never given a change figure either.
+
+A change within CHANGE_TOLERANCE_PCT of zero counts as neither higher nor lower ("same"): the
+table shows changes to 0.1 %, and a difference far below what a run can repeat (1e-9, say) is
+no speedup. A change too large for a float (a base near zero) has no figure either.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 from m3patch.bench.aggregate import ALL_STATS, INTVTY_STATS
 from m3patch.bench.results import METRICS
+from m3patch.errors import ResultsInvalid
 from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 # range_ratio too: another length distribution is another workload, not a speedup.
@@ -27,6 +32,7 @@ SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "isl_conventio
 AGENTIC_SHAPE_FIELDS = ("scenario_type", "kv_offload_label", "trace")
 AGENTIC_STATS = ("mean", "p50", "p75", "p90", "p95")
 DEFAULT_METRIC = "tput_per_gpu"
+CHANGE_TOLERANCE_PCT = 0.05  # |change| at most this: "same" (half the table's 0.1 % step)
 METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
     "output_tput_per_gpu": "output tok/s/GPU",
@@ -55,9 +61,11 @@ class Compared:
 
     @property
     def change_pct(self) -> float | None:
+        """None when either side is n/a, the base is 0, or the ratio overflows a float."""
         if self.base is None or self.new is None or self.base == 0:
             return None
-        return (self.new / self.base - 1.0) * 100.0
+        change = (self.new / self.base - 1.0) * 100.0
+        return change if math.isfinite(change) else None
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,20 @@ def _value(row: dict[str, Any], metric: str) -> tuple[float | None, str]:
     return float(value), ""
 
 
+def check_metric(rows: list[dict[str, Any]], metric: str, where: str) -> None:
+    """Every row's `metric` is null (n/a) or a finite number >= 0: a string, a negative or a
+    non-finite figure in an aggregate is a malformed result (ResultsInvalid), never compared."""
+    for index, row in enumerate(rows):
+        value = row.get(metric)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value < 0:
+            msg = f"{where}: rows[{index}].{metric} is {value!r}, not a finite number >= 0"
+            raise ResultsInvalid(msg, hint="re-aggregate the run: m3patch bench RECIPE --resume "
+                                 "--run-dir RUN")
+
+
 def _unmatched(base_left: list[dict[str, Any]], new_left: list[dict[str, Any]]) -> list[Unmatched]:
     out = []
     for row in base_left:
@@ -147,14 +169,21 @@ def summary(result: Comparison) -> str:
             return (f"{len(result.compared)} cell(s) of the same shape, none with {label} "
                     f"measured on both sides; nothing compared")
         return f"no cell of the same shape on both sides; nothing compared ({label})"
-    faster = sum(1 for value in changes if value > 0)
-    slower = sum(1 for value in changes if value < 0)
+    faster = sum(1 for value in changes if value > CHANGE_TOLERANCE_PCT)
+    slower = sum(1 for value in changes if value < -CHANGE_TOLERANCE_PCT)
+    same = len(changes) - faster - slower
     ratios = [1.0 + value / 100.0 for value in changes]
-    geomean = (math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1.0) * 100.0
+    mean = "n/a (a cell fell to 0)" if min(ratios) <= 0 else \
+        f"{(math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1.0) * 100.0:+.1f}%"
     skipped = f"; {len(result.unmatched)} cell(s) not compared" if result.unmatched else ""
-    return (f"{len(changes)} cell(s) compared on {label}: {faster} higher, {slower} lower; "
-            f"change {min(changes):+.1f}% .. {max(changes):+.1f}%, geometric mean {geomean:+.1f}%"
-            f"{skipped}")
+    return (f"{len(changes)} cell(s) compared on {label}: {faster} higher, {slower} lower, "
+            f"{same} same (within {CHANGE_TOLERANCE_PCT:g}%); change {min(changes):+.1f}% .. "
+            f"{max(changes):+.1f}%, geometric mean {mean}{skipped}")
+
+
+def changed(result: Comparison) -> int:
+    """How many cells got a change figure: 0 means the comparison checked nothing."""
+    return sum(1 for c in result.compared if c.change_pct is not None)
 
 
 def _shown(value: float | None, na: str) -> str:

@@ -137,8 +137,16 @@ def read_cell_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def finished_cell(path: Path, cell: Cell) -> bool:
-    """For --resume: a valid per-cell file for exactly this cell, with every request done."""
+def gated_by(provenance: object, recipe_sha256: str) -> bool:
+    """A provenance block of a result measured on a server m3patch verified and gated (never an
+    external one), launched from exactly these recipe bytes."""
+    return (isinstance(provenance, dict) and provenance.get("verified") is True
+            and provenance.get("recipe_sha256") == recipe_sha256)
+
+
+def finished_cell(path: Path, cell: Cell, gated: str | None = None) -> bool:
+    """For --resume: a valid per-cell file for exactly this cell, with every request done; with
+    `gated` (a recipe's sha256, as ci asks), also measured on a gated server of that recipe."""
     if not path.is_file():
         return False
     try:
@@ -149,4 +157,6 @@ def finished_cell(path: Path, cell: Cell) -> bool:
     # convention over completions: read their absence as exactly that.
     stored = {**CELL_RECORD_DEFAULTS, **data["m3patch"]["cell"]}
     same_cell = stored == cell_record(cell)
+    if gated is not None and not gated_by(data["m3patch"]["provenance"], gated):
+        return False
     return same_cell and not cell_failures(data, cell)

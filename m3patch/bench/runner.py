@@ -115,13 +115,17 @@ def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[AnyCell], *,
     info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def all_finished(run_dir: Path, cells: Sequence[AnyCell]) -> bool:
-    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
+def all_finished(run_dir: Path, cells: Sequence[AnyCell], gated: str | None = None) -> bool:
+    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated)
+               for cell in cells)
 
 
-def cell_finished(path: Path, cell: AnyCell) -> bool:
-    """For --resume: a valid, complete file for exactly this cell (either scenario)."""
-    return agentic_finished(path, cell) if isinstance(cell, AgenticCell) else finished_cell(path, cell)
+def cell_finished(path: Path, cell: AnyCell, gated: str | None = None) -> bool:
+    """For --resume: a valid, complete file for exactly this cell (either scenario); with
+    `gated`, a fixed-length cell only when measured on a gated server of that recipe hash."""
+    if isinstance(cell, AgenticCell):
+        return agentic_finished(path, cell)
+    return finished_cell(path, cell, gated)
 
 
 def check_results(run_dir: Path) -> tuple[list[Path], dict[str, Any]]:

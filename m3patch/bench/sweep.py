@@ -37,6 +37,8 @@ class SweepSettings:
     resume: bool
     seed: int = DEFAULT_SEED
     rerun_hint: str = "m3patch bench RECIPE --resume --run-dir RUN_DIR"
+    # ci: a kept cell must come from a gated server of exactly this recipe (its sha256)
+    gated: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def run_sweep(
     with progress(len(cells), "sweep") as advance:
         for cell in cells:
             cell_file = settings.run_dir / CELLS_DIR / f"{cell.cell_id}.json"
-            if settings.resume and res.finished_cell(cell_file, cell):
+            if settings.resume and res.finished_cell(cell_file, cell, settings.gated):
                 skipped.append(cell.cell_id)
                 advance(f"{cell.cell_id} (kept)")
                 continue

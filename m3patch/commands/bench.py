@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import load_aggregate
 from m3patch.bench.changelog_entry import changelog_entry
-from m3patch.bench.plots import PlotRun, draw, run_title
+from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.bench.results import write_result
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
-from m3patch.errors import Interrupted, UsageError
+from m3patch.errors import Interrupted, ResultsInvalid, UsageError
 from m3patch.eval import compare as eval_compare
 from m3patch.output import info, stdout_console, table
 from m3patch.patching import report_json
@@ -140,13 +140,19 @@ def _accuracy(scores: tuple[eval_compare.Scores, eval_compare.Scores] | None) ->
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
     fields = report_json.start("bench") if json_stdout(args) else None
+    if args.plots and not have_matplotlib():  # before any output: nothing half-done
+        msg = "--plots DIR needs matplotlib, which is not installed"
+        raise UsageError(msg, hint="pip install 'm3patch[plots]', or drop --plots")
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
+    cmp.check_metric(base_agg["rows"], args.metric, str(base))
+    cmp.check_metric(new_agg["rows"], args.metric, str(new))
     if args.changelog_entry:
         return _changelog_entry(base_agg, new_agg, new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
     if fields is not None:  # stdout is the object's alone: no tables
         fields.update(compare={"base": str(base), "new": str(new), "metric": args.metric,
                                **cmp.to_json(result)})
+        _refuse_empty(result, base, new)
         _plots(base_agg, new_agg, args)
         report_json.finish(fields)
         return 0
@@ -166,6 +172,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     if target is not None:
         write_result(target, {**cmp.to_json(result), **accuracy})
         info(f"comparison written to {target}")
+    _refuse_empty(result, base, new)
     _plots(base_agg, new_agg, args)
     return 0
 
@@ -179,6 +186,15 @@ def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any], new: Pat
     stdout_console().print("\n" + changelog_entry(base_agg, new_agg, key).rstrip("\n"),
                            markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _refuse_empty(result: cmp.Comparison, base: Path, new: Path) -> None:
+    """A comparison that gave no cell a change figure checked nothing: a regression gate built
+    on it must fail, never pass (ResultsInvalid, exit 17)."""
+    if cmp.changed(result) == 0:
+        msg = f"{base} vs {new}: {cmp.summary(result)}"
+        raise ResultsInvalid(msg, hint="compare runs of the same shapes (ISL/OSL, parallelism, "
+                             "concurrency); the 'not compared' table says what differs")
 
 
 def _plots(base_agg: dict[str, Any], new_agg: dict[str, Any], args: argparse.Namespace) -> None:

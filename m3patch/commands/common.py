@@ -61,11 +61,16 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def prepare_process() -> None:
-    """SIGTERM unwinds like Ctrl-C (exit 130, as documented; the tree lock is released and a
+    """SIGTERM (and SIGHUP, SIGQUIT) unwinds like Ctrl-C (exit 130, as documented; the tree lock is released and a
     transaction left half-done is finished or undone by the next run), and text the locale
     cannot encode (LANG=C: ASCII) is escaped instead of ending in an internal error."""
     if threading.current_thread() is threading.main_thread():  # signal() works only there
         signal.signal(signal.SIGTERM, _on_sigterm)
+        # a closed terminal or Ctrl-\ during a lock wait ends the same way (130, the JSON
+        # object under --json); a SIGHUP that nohup ignores stays ignored
+        for hangup in (signal.SIGHUP, signal.SIGQUIT):
+            if signal.getsignal(hangup) is not signal.SIG_IGN:
+                signal.signal(hangup, _on_sigterm)
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and "utf" not in stream.encoding.lower():
             stream.reconfigure(errors="backslashreplace")

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import write_json_atomic
+from m3patch.fsio import owned_dir, read_state, write_json_atomic
 from m3patch.marker_lint.sources import ANY, Source, file_sources
 from m3patch.patching.pristine import cache_root
 
@@ -66,9 +66,9 @@ def _decode(raw: object) -> list[Source] | None:
 def _read_cache(path: Path, key: str | None) -> tuple[dict[str, str], dict[str, list[Source]]] | None:
     """(per file digest, per file texts), or None when absent or not trustworthy; `key=None`
     accepts any tree's cache (a base to reuse unchanged files from)."""
-    try:
-        body = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+    try:  # a cache is hostile input: no link, FIFO or device, bounded, any depth refused
+        body = json.loads(read_state(path))
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(body, dict) or body.get("schema") != CACHE_SCHEMA or (
             key is not None and body.get("key") != key):
@@ -149,6 +149,9 @@ def _load_or_read(root: Path, files: list[Path], *, use_cache: bool) -> list[Sou
             per_file[rel] = file_sources(rel, _read(path))
     if use_cache and fresh:  # only whole reads are stored: edited scratch copies would pile up
         with contextlib.suppress(M3PatchError, OSError):  # an unwritable cache costs time only
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            owned_dir(folder.parent)  # never written through a link or another user's folder
+            owned_dir(folder, create=True)
             write_json_atomic(folder / f"{key}.json",
                               {"schema": CACHE_SCHEMA, "key": key, "root": str(root),
                                "digests": digests,

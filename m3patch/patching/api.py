@@ -20,9 +20,11 @@ reports), apply and revert (plan + commit), writer (the one writer: journal, loc
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
-from m3patch.errors import TreeIOError
+from m3patch.errors import TreeIOError, VerifyFailed
+from m3patch.fsio import read_state
 from m3patch.patching.apply import ApplyReport, apply_series
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import VllmTree
@@ -56,12 +58,29 @@ def ensure_series(tree: VllmTree, series: Series) -> EnsuredTree:
 
     The one entry point for "patched, verified, and which ledger": `apply --verify`, `serve`,
     `bench` and `ci` all go through here, so they can never disagree on what counts as ready.
+    The first try takes no lock (an applied tree, read-only included, needs none); when its
+    verify or ledger read fails, a revert may have run in between, so the whole of it runs
+    again holding the tree lock, where no other run can change the tree.
     """
+    try:
+        return _ensure(tree, series)
+    except (VerifyFailed, TreeIOError) as first:
+        from m3patch.patching import writer  # deferred: the already-applied path never writes
+
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(writer.tree_lock(tree.root))
+            except TreeIOError:
+                raise first from None  # a tree this user cannot lock: the first answer stands
+            return _ensure(tree, series)
+
+
+def _ensure(tree: VllmTree, series: Series) -> EnsuredTree:
     report = apply_series(tree, series)
     verify = verify_tree(tree, series, contents=report.contents)
     verify.raise_for_failure()
     try:
-        ledger_bytes = ledger_path(tree.root).read_bytes()
+        ledger_bytes = read_state(ledger_path(tree.root))
     except OSError as exc:
         msg = f"{ledger_path(tree.root)}: cannot read the ledger apply just wrote ({exc.strerror})"
         raise TreeIOError(msg, hint="m3patch status; then m3patch apply --verify") from None

@@ -244,6 +244,9 @@ def _already_applied(tree: VllmTree, pins: Pinned, version: str, dry_run: bool,
     this series, and every file equal to the post-image it records (the final pin, or after
     `apply --offset` the offset post-image). Anything else: None, and the locked path decides."""
     series = pins.series
+    folder = state_dir(tree.root)
+    if folder.is_symlink() or folder.parent.is_symlink():
+        return None  # the locked path refuses it (HostilePatch), never reads through it
     try:  # a journal, or a temp file of a killed run: the locked path recovers and cleans up
         if not {p.name for p in state_dir(tree.root).iterdir()} <= {"ledger.json", "lock"}:
             return None
@@ -267,6 +270,8 @@ def _already_applied(tree: VllmTree, pins: Pinned, version: str, dry_run: bool,
         exact = (pre, post) == (hashes[0], hashes[-1])
         if currents[path] != post or not (exact or ledger.mode == Mode.OFFSET):
             return None  # an offset ledger: files equal to the post-images --offset recorded
+        if not exact and post in hashes:
+            return None  # the files win: a file at an earlier pin is pending, whatever it says
     if journal_path(tree.root).exists():
         return None  # a transaction that began while we read
     return ApplyReport(series_id=series.id, mode=Mode.STRICT, dry_run=dry_run, applied=(),

@@ -69,6 +69,10 @@ def split_lines(text: str) -> list[str]:
 
 
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # Path.is_symlink's "no"
+# The writer stages `.NAME.m3patch-new` and backs up `.NAME.m3patch-pre` beside each file: a
+# series path of that shape would be overwritten (or deleted) by the transaction of NAME.
+WRITER_SUFFIXES = (".m3patch-new", ".m3patch-pre")
+FILE_MODES = ("100644", "100755")  # the only modes git records for a plain file
 _NAME_MAX, _PATH_MAX = 255, 4000  # bytes; Linux NAME_MAX and (with room for the root) PATH_MAX
 
 
@@ -90,6 +94,10 @@ def check_rel_path(path: str, where: str) -> str:
         raise HostilePatch(msg, hint=hint)
     if parts[1] == ".m3patch":
         msg = f"{where}: path {path!r} is inside m3patch's state folder vllm/.m3patch/"
+        raise HostilePatch(msg, hint=hint)
+    if parts[-1].endswith(WRITER_SUFFIXES):
+        msg = (f"{where}: path {path!r} ends like the writer's own staging or backup names "
+               f"({', '.join(WRITER_SUFFIXES)}): it would clash with the transaction of another file")
         raise HostilePatch(msg, hint=hint)
     sizes = [len(encode(part)) for part in parts]
     if max(sizes) > _NAME_MAX or sum(sizes) + len(sizes) > _PATH_MAX:
@@ -138,6 +146,14 @@ def _check_file(pf: PatchedFile, info: str, where: str) -> str:
         msg = f"{where}: {target} is a symlink in the patch; symlinks are refused"
         raise HostilePatch(msg, hint="patch the real file instead of a link")
     paths = [p for p in (source, target) if p != "/dev/null"]
+    if not paths:
+        msg = f"{where}: a file diff with /dev/null on both sides names no file"
+        raise UsageError(msg, hint="regenerate the patch with `git diff`")
+    odd = [m for m in _MODE_RE.findall(info) if m not in FILE_MODES]
+    if odd:
+        msg = (f"{where}: {target}: file mode {odd[0]} is refused (setuid, world-writable or "
+               f"not a mode); only {' and '.join(FILE_MODES)} are accepted")
+        raise HostilePatch(msg, hint="regenerate the patch from a file of mode 644 or 755")
     for path in paths:
         check_rel_path(path, where)
     if len(set(paths)) > 1 or pf.is_rename:
@@ -172,6 +188,9 @@ def parse_patch(data: bytes, name: str) -> PatchFile:
             old, new = _hunk_lines(hunk)
             hunks.append(Hunk(index, hunk.source_start, tuple(old), hunk.target_start,
                               tuple(new), str(hunk.section_header or "")))
+        if not hunks and _file_kind(pf, info) == "modify":
+            msg = f"{name}: {path}: a file header with no hunk changes nothing"
+            raise UsageError(msg, hint="drop the header, or regenerate the patch with `git diff`")
         modes = [stat.S_IMODE(int(m, 8)) for m in _MODE_RE.findall(info)]
         files.append(FilePatch(path, _file_kind(pf, info), tuple(hunks),
                                modes[-1] if modes else None))

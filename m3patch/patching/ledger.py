@@ -6,6 +6,7 @@ files by content hash and only compare with the ledger to say when it is stale.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -15,6 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from m3patch import __version__
 from m3patch.errors import HostilePatch, TreeIOError
+from m3patch.fsio import read_state
 from m3patch.patching.diffs import check_rel_path
 from m3patch.patching.states import Mode
 
@@ -131,17 +133,40 @@ def _mode(raw: object) -> Mode:
     return Mode(raw)
 
 
+def _no_constant(name: str) -> object:
+    msg = f"{name} is not a JSON number"
+    raise ValueError(msg)
+
+
+def _strings(raw: object, key: str) -> str:
+    if not isinstance(raw, str):
+        msg = f"{key!r} {raw!r} is not a string"
+        raise TypeError(msg)
+    return raw
+
+
 def parse_ledger(data: bytes, where: str) -> Ledger:
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, parse_constant=_no_constant)
+        if not isinstance(raw, dict):
+            msg = f"a JSON {type(raw).__name__}, not an object"
+            raise TypeError(msg)
         if raw["schema"] != LEDGER_SCHEMA:
             msg = f"{where}: ledger schema {raw['schema']} is not {LEDGER_SCHEMA}"
             raise TreeIOError(msg, hint="m3patch revert with the m3patch that wrote it")
+        if not isinstance(raw["files"], list) or not isinstance(raw["patches"], list):
+            msg = "'files' and 'patches' must be lists"
+            raise TypeError(msg)
         files = tuple(_ledger_file(f, where) for f in raw["files"])
-        return Ledger(raw["schema"], raw["tool"], raw["series"], _mode(raw["mode"]),
-                      raw["vllm_version"], raw["vllm_commit"], raw["version_note"],
-                      tuple(raw["patches"]), files, raw["time"])
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        commit = raw["vllm_commit"]
+        return Ledger(raw["schema"], _strings(raw["tool"], "tool"),
+                      _strings(raw["series"], "series"), _mode(raw["mode"]),
+                      _strings(raw["vllm_version"], "vllm_version"),
+                      None if commit is None else _strings(commit, "vllm_commit"),
+                      _strings(raw["version_note"], "version_note"),
+                      tuple(_strings(p, "patches") for p in raw["patches"]), files,
+                      _strings(raw["time"], "time"))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         msg = f"{where}: corrupt ledger ({type(exc).__name__}: {exc})"
         raise TreeIOError(msg, hint="m3patch apply rewrites it from the files") from None
 
@@ -150,10 +175,11 @@ def read_ledger(root: Path) -> Ledger | None:
     """The ledger of the tree rooted at `root`, or None when nothing was recorded."""
     path = ledger_path(root)
     try:
-        data = path.read_bytes()
+        data = read_state(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        msg = f"{path}: cannot read: {exc.strerror}"
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        msg = f"{path}: cannot read: {why}"
         raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
     return parse_ledger(data, str(path))

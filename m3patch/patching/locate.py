@@ -44,7 +44,8 @@ try:
             direct = json.loads(metadata.distribution(name).read_text("direct_url.json") or "{}")
         except metadata.PackageNotFoundError:
             continue
-        if isinstance(direct, dict) and (direct.get("dir_info") or {}).get("editable"):
+        info = direct.get("dir_info") if isinstance(direct, dict) else None
+        if isinstance(info, dict) and info.get("editable") is True:
             editable = {"name": name, "url": str(direct.get("url", ""))}
         break
 except Exception:  # metadata is a description only; never a reason to fail the lookup
@@ -126,8 +127,9 @@ def _dist_info(root: Path) -> tuple[str, str, bool] | None:
     editable = False
     try:
         direct = json.loads((dist / "direct_url.json").read_text())
-        editable = bool(direct.get("dir_info", {}).get("editable"))
-    except (OSError, ValueError):
+        info = direct.get("dir_info") if isinstance(direct, dict) else None
+        editable = isinstance(info, dict) and info.get("editable") is True
+    except (OSError, ValueError, RecursionError):  # metadata describes; it never fails a lookup
         editable = False
     return name.replace("_", "-"), version, editable
 

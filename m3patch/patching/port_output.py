@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from m3patch.errors import M3PatchError, PortConflict, UsageError
-from m3patch.fsio import write_bytes_atomic, write_json_atomic
+from m3patch.fsio import owned_dir, write_bytes_atomic, write_json_atomic
 from m3patch.patching.api import apply_series, verify_tree
 from m3patch.patching.diffs import parse_patch, safe_target
 from m3patch.patching.locate import VllmTree, tree_at
@@ -161,6 +161,8 @@ def port_series(src: Path, new_root: Path, out: Path | None, *, command: str, li
     markdown = report_markdown(doc, plan)
     if out is None:
         return PortResult(plan, doc, markdown, new_id, None)
+    if out.is_symlink():  # renamed over at the end: never a link (UnsafeState, exit 34)
+        owned_dir(out)
     _clear_incomplete(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         msg = f"{out}: exists and is not empty"

@@ -107,7 +107,7 @@ def content_problems(python: str | None, contents: Contents) -> tuple[str, list[
         if data is not None and path.endswith(".json"):
             try:
                 json.loads(data)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # nested too deep for Python's reader
                 problems.append(f"{path}: does not parse: {exc}")
     return who, problems
 
@@ -124,7 +124,10 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
     ledger, note = ledger_or_note(tree)
     offset = {f.path: f.post for f in ledger.files} if (
         ledger is not None and ledger.mode == Mode.OFFSET) else {}
-    off = [p for p, h in pins.hashes.items() if currents[p] != offset.get(p, h[-1])]
+    # the files win: an offset post-image that equals an earlier pin (a pristine file, say) is
+    # that pin, never "applied at offsets", whatever the ledger records
+    off = [p for p, h in pins.hashes.items() if currents[p] != h[-1] and (
+        p not in offset or currents[p] != offset[p] or currents[p] in h)]
     files = []
     if off:  # only now parse the patches: the diagnosis needs per-hunk probes
         from m3patch.patching import engine  # deferred: the already-applied path never needs it

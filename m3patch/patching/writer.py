@@ -20,6 +20,7 @@ write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -31,8 +32,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
-from m3patch.errors import LockTimeout, TreeIOError, UsageError
-from m3patch.fsio import DEFAULT_MODE, make_durable, read_json, replace_atomic, write_new
+from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, UsageError
+from m3patch.fsio import (
+    DEFAULT_MODE,
+    make_durable,
+    owned_dir,
+    read_json,
+    replace_atomic,
+    write_new,
+)
 from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import (
     check_sha256,
@@ -40,6 +48,7 @@ from m3patch.patching.ledger import (
     file_digest,
     journal_path,
     ledger_path,
+    parse_ledger,
     state_dir,
 )
 
@@ -47,6 +56,7 @@ JOURNAL = "journal.json"
 PHASES = ("stage", "commit")
 DEFAULT_LOCK_TIMEOUT_S = 300.0
 ENV_LOCK_TIMEOUT = "M3PATCH_LOCK_TIMEOUT"
+_HELD: set[str] = set()  # the lock files this process holds (tree_lock is re-entrant)
 
 
 @dataclass(frozen=True)
@@ -132,18 +142,49 @@ def lock_timeout_from_env() -> float:
     return value
 
 
-@contextlib.contextmanager
-def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
-    """Exclusive flock on <root>/vllm/.m3patch/lock; LockTimeout after the deadline."""
-    if timeout_s is None:
-        timeout_s = lock_timeout_from_env()
-    path = state_dir(root) / "lock"
+def safe_state_dir(root: Path, *, create: bool) -> Path:
+    """<root>/vllm/.m3patch as a real folder this user owns, reached through a real vllm/: a
+    symlink on the way (or a file, or another user's folder) is HostilePatch (exit 9), before
+    anything is created, written or deleted through it. Without `create`, a missing folder is
+    FileNotFoundError."""
+    vllm = root / "vllm"
+    if vllm.is_symlink():
+        msg = f"{vllm}: a symlink (-> {vllm.readlink()}); m3patch never writes through a link"
+        raise HostilePatch(msg, hint="point --vllm-root at the real tree")
+    folder = state_dir(root)
+    if not create and not os.path.lexists(folder):
+        raise FileNotFoundError(folder)
+    return owned_dir(folder, create=create, error=HostilePatch)
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, created if missing, never through a link (a dangling link included)."""
     try:
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP or path.is_symlink():
+            msg = f"{path}: the lock is a symlink; m3patch never writes through a link"
+            raise HostilePatch(msg, hint=f"remove {path} (m3patch re-creates it)") from None
         msg = f"{path}: cannot create the lock: {exc.strerror}"
         raise TreeIOError(msg, hint="run as the owner of the vLLM tree") from None
+
+
+@contextlib.contextmanager
+def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Exclusive flock on <root>/vllm/.m3patch/lock; LockTimeout after the deadline. Re-entrant
+    within this process: a nested call for a tree already locked here holds it already."""
+    if timeout_s is None:
+        timeout_s = lock_timeout_from_env()
+    path = safe_state_dir(root, create=True) / "lock"
+    key = os.path.realpath(path)
+    if key in _HELD:
+        yield
+        return
+    fd = _open_lock(path)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        msg = f"{path}: not a regular file"
+        raise HostilePatch(msg, hint=f"remove {path} (m3patch re-creates it)")
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -155,7 +196,11 @@ def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
                     msg = f"{path}: another m3patch run held the lock for {timeout_s:.0f} s"
                     raise LockTimeout(msg, hint="wait for it, or raise M3PATCH_LOCK_TIMEOUT") from None
                 time.sleep(0.02)
-        yield
+        _HELD.add(key)
+        try:
+            yield
+        finally:
+            _HELD.discard(key)
     finally:
         os.close(fd)  # closing releases the flock
 
@@ -281,32 +326,45 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
         raise TreeIOError(msg, hint="rerun the same m3patch command to finish") from None
 
 
+def _is(path: Path, sha256: str | None) -> bool:
+    """The file at `path` (never followed through a link) holds exactly these bytes."""
+    return sha256 is not None and not path.is_symlink() and file_digest(path) == sha256
+
+
 def _rollback(root: Path, entries: list[Entry]) -> None:
+    """Undo a transaction, deleting only what it can prove this writer made: a staged or backup
+    file under the writer's own names, a new file whose bytes are the entry's post-image. A
+    file the journal names but whose bytes match nothing it recorded is left as it is."""
     for entry in entries:
         target = root / entry.path
         if entry.stage:
             with contextlib.suppress(FileNotFoundError):
                 (target.parent / entry.stage).unlink()
         backup = target.parent / entry.backup if entry.backup else None
-        if backup is not None and backup.exists():
+        if backup is not None and _is(backup, entry.pre):
             if target.exists() and backup.samefile(target):
                 backup.unlink()  # rename() onto the same inode would leave both names
             else:
                 backup.replace(target)
-        elif entry.pre is None:
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
+        elif entry.pre is None and _is(target, entry.post):
+            target.unlink()
     _remove_dirs(root, [d for e in entries for d in e.made_dirs])
     with contextlib.suppress(FileNotFoundError):
         journal_path(root).unlink()
 
 
 def _completable(root: Path, entry: Entry) -> bool:
+    """The entry can be finished: its target already holds the post-image, or the writer's
+    staged file does; a deletion only while the pre-image is present under the writer's backup
+    name (proof that this writer staged it) or the file is already gone."""
     target = root / entry.path
-    if entry.post is None or file_digest(target) == entry.post:
+    if entry.post is None:
+        backup = target.parent / entry.backup if entry.backup else None
+        return not os.path.lexists(target) or (backup is not None and _is(backup, entry.pre))
+    if _is(target, entry.post):
         return True
     staged = target.parent / entry.stage if entry.stage else None
-    return staged is not None and file_digest(staged) == entry.post
+    return staged is not None and _is(staged, entry.post)
 
 
 def read_journal(root: Path) -> tuple[str, list[Entry], bytes | None]:
@@ -327,21 +385,36 @@ def read_journal(root: Path) -> tuple[str, list[Entry], bytes | None]:
         msg = f"{path}: invalid journal ({type(exc).__name__}: {exc}); nothing was changed"
         raise TreeIOError(msg, hint=hint) from None
     ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
+    if ledger is not None:
+        parse_ledger(ledger, f"{path} (its ledger)")  # TreeIOError: never recorded unchecked
     return str(body["phase"]), entries, ledger
 
 
 def recover(root: Path) -> str | None:
-    """Finish or undo a transaction a killed run left behind; call it holding the lock."""
+    """Finish or undo a transaction a killed run left behind; call it holding the lock. An I/O
+    failure here is the tree's (TreeIOError, exit 7), whatever the errno."""
+    try:
+        return _recover(root)
+    except OSError as exc:
+        msg = (f"{journal_path(root)}: cannot recover the interrupted transaction: "
+               f"{exc.strerror or exc}")
+        raise TreeIOError(msg, hint="free disk space / fix permissions on the vLLM tree, then "
+                          "rerun the same m3patch command") from None
+
+
+def _recover(root: Path) -> str | None:
     for leftover in state_dir(root).glob(".*.tmp*"):  # replace_atomic temps of a killed run
-        if leftover.name.rpartition(".tmp")[2].isdigit():
+        if leftover.name.rpartition(".tmp")[2].isdigit() and leftover.is_file():
             leftover.unlink()
     path = journal_path(root)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     phase, entries, ledger = read_journal(root)
     if phase == "commit" and all(_completable(root, e) for e in entries):
         for entry in entries:
-            _swap(root, entry)
+            staged = (root / entry.path).parent / entry.stage if entry.stage else None
+            if entry.post is None or (staged is not None and _is(staged, entry.post)):
+                _swap(root, entry)
         _finish(root, entries, ledger, _Steps())
         return "completed an interrupted transaction found in the journal"
     _rollback(root, entries)

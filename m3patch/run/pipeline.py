@@ -33,6 +33,7 @@ from m3patch.bench.agentic.lmcache import row_servers
 from m3patch.bench.agentic.preflight import preflight as agentic_preflight
 from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
+from m3patch.bench.results import gated_by
 from m3patch.bench.runner import (
     all_finished,
     check_results,
@@ -44,12 +45,13 @@ from m3patch.bench.runner import (
     sweep_session,
 )
 from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
-from m3patch.errors import M3PatchError, UsageError
+from m3patch.errors import M3PatchError, ResultsInvalid, UsageError
 from m3patch.eval.compare import read_scores, record_path, run_rows
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.output import info, table
+from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree
 from m3patch.recipe.agentic import KvOffload
 from m3patch.recipe.evals import EvalWhen
@@ -177,15 +179,35 @@ def plan_run(spec: RunSpec) -> RunPlan:
     run_dir = spec.run_dir or default_run_dir(recipe, spec.command, resume=spec.resume)
     python = resolve_python(recipe, spec)
     rerun = f"m3patch bench {spec.recipe_path} --resume --run-dir {run_dir}"
-    settings = SweepSettings(run_dir, spec.resume, spec.seed, rerun)
+    # ci's pass vouches for a gated server of this recipe: a resumed ci keeps only such cells
+    gated = digest(Path(recipe.path).read_bytes()) if spec.command is RunCommand.CI else None
+    settings = SweepSettings(run_dir, spec.resume, spec.seed, rerun, gated)
     refuse_overwrite(settings)
-    return RunPlan(recipe, run_dir, python, cells, settings, server_source(spec, run_dir, cells))
+    return RunPlan(recipe, run_dir, python, cells, settings,
+                   server_source(spec, recipe, run_dir, cells, gated))
 
 
-def server_source(spec: RunSpec, run_dir: Path, cells: tuple[AnyCell, ...]) -> ServerSource:
-    if spec.resume and all_finished(run_dir, cells):
+def server_source(spec: RunSpec, recipe: Recipe, run_dir: Path, cells: tuple[AnyCell, ...],
+                  gated: str | None) -> ServerSource:
+    """NONE only when nothing is left to measure or judge: every cell kept, and where the run
+    has an eval step, a recorded eval that passed on a gated server of this recipe."""
+    if spec.resume and all_finished(run_dir, cells, gated) and not _eval_left(spec, recipe, run_dir):
         return ServerSource.NONE
     return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
+
+
+def _eval_left(spec: RunSpec, recipe: Recipe, run_dir: Path) -> bool:
+    """The run's eval step still has to run: a failed, foreign or unreadable eval/eval.json is
+    never carried over as a pass (the gate runs again on a server)."""
+    if spec.command is RunCommand.BENCH or recipe.eval is None:
+        return False
+    try:
+        record = read_json(run_dir / EVAL_DIR / "eval.json", error=ResultsInvalid, hint="",
+                           expect=dict)
+    except ResultsInvalid:
+        return True
+    sha = digest(Path(recipe.path).read_bytes())
+    return not (record.get("passed") is True and gated_by(record.get("provenance"), sha))
 
 
 class RunPipeline:

@@ -8,9 +8,12 @@ flight; a later run with the same cache skips everything already measured. A tor
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from m3patch.fsio import read_state
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,36 @@ class Result:
         return (self.shape, self.batch, self.config, self.stage)
 
 
+STAGES = ("quick", "refine", "failed")
+
+
+def _number(raw: object) -> float | None:
+    """A cached time or error: null, or a finite number >= 0 (a NaN, a negative or an infinite
+    time could win the pick); anything else is a ValueError and the line is dropped."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) \
+            or raw < 0:
+        msg = f"not a finite number >= 0: {raw!r}"
+        raise ValueError(msg)
+    return float(raw)
+
+
 def _parse(line: str) -> Result | None:
+    """One cached result, or None for a line that is not one this tuner wrote (torn, edited,
+    nested too deep, a wrong type): it is measured again, never trusted."""
     try:
         raw: Any = json.loads(line)
-        return Result(str(raw["shape"]), int(raw["batch"]), str(raw["config"]), str(raw["stage"]),
-                      None if raw.get("us") is None else float(raw["us"]),
-                      None if raw.get("error") is None else float(raw["error"]),
+        batch, stage = raw["batch"], raw["stage"]
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or \
+                stage not in STAGES or not all(isinstance(raw[k], str) for k in ("shape", "config")):
+            return None
+        us = _number(raw.get("us"))
+        if stage != "failed" and (us is None or us == 0):
+            return None
+        return Result(raw["shape"], batch, raw["config"], stage, us, _number(raw.get("error")),
                       str(raw.get("note", "")))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -44,7 +69,11 @@ class ResultCache:
         self.path = path
         self.results: dict[tuple[str, int, str, str], Result] = {}
         if path is not None and path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                text = read_state(path).decode("utf-8", "replace")
+            except OSError:  # a link, FIFO or device in the cache's place: start afresh
+                text = ""
+            for line in text.splitlines():
                 result = _parse(line)
                 if result is not None:
                     self.results[result.key] = result

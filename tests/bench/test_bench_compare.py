@@ -160,9 +160,10 @@ def test_cli_compare_any_latency_metric(
 def test_a_statistic_the_runs_never_measured_is_never_compared(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # Both runs were recorded with percentiles 50,90,99: p99.9 is null on both sides.
+    # Both runs were recorded with percentiles 50,90,99: p99.9 is null on both sides. Nothing
+    # was compared, so the command fails (a gate on it must not pass having checked nothing).
     assert main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"),
-                 "--metric", "p99.9_ttft"]) == 0
+                 "--metric", "p99.9_ttft"]) == ResultsInvalid.exit_code
     assert "none with p99.9 TTFT s (lower is better) measured on both sides" in capsys.readouterr().out
 
 

@@ -142,10 +142,10 @@ def test_compare_takes_an_inferencex_row_as_either_side(
 def test_an_inferencex_row_beside_an_m3patch_run_is_another_workload(tmp_path: Path) -> None:
     # InferenceX's rows are its client's [int(0.8 L), L]; this m3patch run used vLLM's
     # convention, so it is never given a change figure, even at the same ISL/OSL, parallelism
-    # and concurrency.
+    # and concurrency. Nothing compared: the command fails (17), and still writes the listing.
     out = tmp_path / "cmp.json"
     assert main(["bench", "compare", str(DATA / "runs" / "base"), str(INFERENCEX_ROW),
-                 "--json", str(out)]) == 0
+                 "--json", str(out)]) == ResultsInvalid.exit_code
     result = json.loads(out.read_text())
     assert result["compared"] == []
     differs = [u for u in result["not_compared"] if u["reason"] == "shape differs"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from core_helpers import gate_recorded_run
 
 from m3patch import errors
 from m3patch.commands import ci
@@ -98,8 +99,9 @@ def test_ci_json_for_a_bad_recipe_and_a_resumed_run(tmp_path: Path) -> None:
     assert report["error"]["type"] == "UsageError" and "missing.yaml" in report["error"]["message"]
     assert report["steps"][0]["status"] == "failed" and report["run_dir"] is None
     run = shutil.copytree(RECORDED / "base", tmp_path / "run")
-    code, report, stderr = m3patch("ci", str(recorded_recipe(tmp_path)), "--resume",
-                                   "--run-dir", str(run), "--json")
+    recipe = recorded_recipe(tmp_path)
+    gate_recorded_run(run, recipe, eval_passed=True)
+    code, report, stderr = m3patch("ci", str(recipe), "--resume", "--run-dir", str(run), "--json")
     assert code == 0, stderr
     assert "error" not in report and report["run_dir"] == str(run)
     assert report["tree_root"] is None and report["ledger_sha256"] is None  # no tree prepared

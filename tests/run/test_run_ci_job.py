@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from core_helpers import gate_recorded_run
 
 from m3patch.bench.runner import check_results
 from m3patch.commands import ci
@@ -86,6 +87,7 @@ def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp
     recipe = tmp_path / "cpu_tiny_moe.yaml"
     recipe.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
     run = shutil.copytree(REPO / "tests" / "data" / "bench" / "runs" / "base", tmp_path / "run")
+    gate_recorded_run(run, recipe, eval_passed=True)
     cmd = [sys.executable, "-m", "m3patch", "ci", str(recipe), "--resume", "--run-dir", str(run)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -99,6 +101,41 @@ def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp
     assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
         "interactivity_vs_throughput.png", "throughput_per_gpu.png"]
     assert "ci: all steps passed" in done.stderr and done.stdout == ""
+
+
+def _recorded(tmp_path: Path) -> tuple[Path, Path]:
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
+    text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
+    text = re.sub(r"osl: [0-9]+", "osl: 16", text)
+    text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
+    # no model on disk: a resume that must measure again fails before any server starts (19)
+    text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "none"))
+    recipe = tmp_path / "cpu_tiny_moe.yaml"
+    recipe.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    return recipe, shutil.copytree(REPO / "tests" / "data" / "bench" / "runs" / "base",
+                                   tmp_path / "run")
+
+
+@pytest.mark.parametrize("case", ["eval-failed", "eval-missing", "ungated-cells", "other-recipe"])
+def test_resume_never_turns_a_failed_gate_or_ungated_cells_into_a_pass(tmp_path: Path,
+                                                                        case: str) -> None:
+    """Before: with finished cells and eval/eval.json `passed: false`, `ci --resume` skipped
+    apply-verify, serve and eval, printed "all steps passed" and wrote ci.json ok: true; it also
+    kept cells of an ungated external server (verified: false) under another recipe's hash.
+    Now such a run has something left to measure or judge: it needs a server again (here the
+    model is absent, so it fails before one starts), and never reports a pass."""
+    recipe, run = _recorded(tmp_path)
+    if case != "ungated-cells":
+        gate_recorded_run(run, recipe, eval_passed=None if case == "eval-missing" else
+                          case != "eval-failed")
+    if case == "other-recipe":
+        recipe.write_text(recipe.read_text() + "# edited after the run\n")
+    cmd = [sys.executable, "-m", "m3patch", "ci", str(recipe), "--resume", "--run-dir", str(run)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
+    summary = json.loads((run / ci.SUMMARY).read_text())
+    assert done.returncode != 0 and summary["ok"] is False, done.stderr
+    assert "all steps passed" not in done.stderr
 
 
 def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:

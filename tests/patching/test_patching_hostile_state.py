@@ -1,0 +1,374 @@
+"""State that an earlier run, another user or a forged file leaves behind in the real 0.33.0 tree:
+never trusted, never a false all-clear, never a write or a delete outside what m3patch owns.
+Each test reproduces one finding through the CLI entry (in-process) on a private copy of the
+real tree; the docstring says what happened before the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from core_helpers import CliRunner, make_series, new_file_diff
+
+from m3patch import errors
+from m3patch.main import main
+
+ENVS = "vllm/envs.py"
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def series_of(folder: Path, *patches: str) -> Path:
+    """An unlocked series of these diffs (each test locks it, or expects the lock to refuse)."""
+    return make_series(folder, None, list(patches))
+
+
+def state(root: Path) -> Path:
+    return root / "vllm" / ".m3patch"
+
+
+# ------------------------------------------------------------- a series path that is a staging name
+
+
+def test_a_series_adding_the_writers_staging_name_is_refused(vllm_tree: Path, pristine_033: Path,
+                                                            tmp_path: Path) -> None:
+    """Before: lock and apply exited 0; envs.py became the added file's bytes, the added file was
+    gone, and revert refused (5)."""
+    envs = (vllm_tree / ENVS).read_bytes()
+    edit = (f"diff --git a/{ENVS} b/{ENVS}\n--- a/{ENVS}\n+++ b/{ENVS}\n@@ -1,1 +1,2 @@\n"
+            f" {envs.decode().splitlines()[0]}\n+# edited\n")
+    series = series_of(tmp_path / "s", new_file_diff("vllm/.envs.py.m3patch-new", ["boom"]), edit)
+    code, _, err = cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert code == errors.HostilePatch.exit_code, err
+    assert "staging" in err
+    assert (vllm_tree / ENVS).read_bytes() == envs
+
+
+@pytest.mark.parametrize("name", ["vllm/.envs.py.m3patch-pre", "vllm/x/.y.m3patch-new"])
+def test_every_writer_name_is_refused_as_a_patch_path(name: str) -> None:
+    from m3patch.patching.diffs import check_rel_path
+
+    with pytest.raises(errors.HostilePatch):
+        check_rel_path(name, "p.patch")
+
+
+# ------------------------------------------------------------- a forged offset ledger
+
+
+def forged_offset_ledger(root: Path, series: Path) -> None:
+    """The ledger an attacker (or a stale copy) leaves: mode offset, every file's post-image its
+    current, pristine hash, so the ledger claims an applied tree that is not."""
+    lock = json.loads((series / "series.lock.json").read_text())
+    files = {}
+    for patch in lock["patches"]:
+        for pin in patch["files"]:
+            path = root / pin["path"]
+            current = sha(path.read_bytes()) if path.exists() else None
+            files.setdefault(pin["path"], {"path": pin["path"], "pre": current, "post": current})
+    ledger = {"schema": 1, "tool": "m3patch 0.1.0", "series": lock["series"], "mode": "offset",
+              "vllm_version": "0.33.0", "vllm_commit": None, "version_note": "0.33.0 accepted",
+              "patches": [p["id"] for p in lock["patches"]], "files": list(files.values()),
+              "time": "2026-01-01T00:00:00Z"}
+    state(root).mkdir(exist_ok=True)
+    (state(root) / "ledger.json").write_text(json.dumps(ledger))
+
+
+def test_a_forged_offset_ledger_gives_no_false_all_clear(vllm_tree: Path, test_series: Path) -> None:
+    """Before: `apply --verify` printed "already applied ... verified" and `verify` exited 0 on an
+    unpatched tree whose forged offset ledger recorded the pristine hashes as post-images."""
+    forged_offset_ledger(vllm_tree, test_series)
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    code, _, err = cli("verify", *root)
+    assert code == errors.VerifyFailed.exit_code, err
+    code, out, err = cli("apply", "--verify", *root)
+    assert code == 0, err
+    assert "3 applied" in out + err, out + err
+    assert cli("verify", *root)[0] == 0
+    assert cli("status", *root)[0] == 0
+
+
+# ------------------------------------------------------------- a well-formed, lying journal
+
+
+def write_journal(root: Path, body: dict[str, object]) -> None:
+    state(root).mkdir(exist_ok=True)
+    (state(root) / "journal.json").write_text(json.dumps(body))
+
+
+def test_a_lying_stage_journal_never_deletes_a_file_it_did_not_write(vllm_tree: Path,
+                                                                   test_series: Path) -> None:
+    """Before: the next apply "rolled back" a new-file entry for vllm/envs.py by deleting it, then
+    exited 0 with status all clear and vLLM broken."""
+    envs = (vllm_tree / ENVS).read_bytes()
+    write_journal(vllm_tree, {"phase": "stage", "ledger": None, "entries": [
+        {"path": ENVS, "pre": None, "post": "0" * 64, "stage": ".envs.py.m3patch-new",
+         "backup": None}]})
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == 0, err
+    assert (vllm_tree / ENVS).read_bytes() == envs
+
+
+def test_a_lying_commit_journal_never_deletes_a_file_without_the_writers_backup(
+        vllm_tree: Path, test_series: Path) -> None:
+    """Before: a commit-phase deletion entry for vllm/envs.py (its real pre-image hash, no backup
+    ever made) counted as completable, and recovery deleted envs.py."""
+    envs = (vllm_tree / ENVS).read_bytes()
+    write_journal(vllm_tree, {"phase": "commit", "ledger": None, "entries": [
+        {"path": ENVS, "pre": sha(envs), "post": None, "stage": None,
+         "backup": ".envs.py.m3patch-pre"}]})
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == 0, err
+    assert (vllm_tree / ENVS).read_bytes() == envs
+
+
+def test_a_journal_with_a_forged_ledger_is_refused(vllm_tree: Path, test_series: Path) -> None:
+    """A commit journal carries the ledger it records on completion: a ledger that does not
+    parse is refused (7) before anything is recorded."""
+    write_journal(vllm_tree, {"phase": "commit", "entries": [], "ledger": '{"schema": 1}'})
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == errors.TreeIOError.exit_code, err
+    assert not (state(vllm_tree) / "ledger.json").exists()
+
+
+# ------------------------------------------------------------- symlinks in the state folder
+
+
+def test_a_symlinked_state_folder_is_refused_and_nothing_outside_is_touched(
+        vllm_tree: Path, test_series: Path, tmp_path: Path) -> None:
+    """Before: apply wrote the ledger and lock into the link's target, and recovery deleted a
+    planted `.bashrc.tmp42` there."""
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / ".bashrc.tmp42").write_text("keep me")
+    os.symlink(outside, state(vllm_tree))
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == errors.HostilePatch.exit_code, err
+    assert sorted(p.name for p in outside.iterdir()) == [".bashrc.tmp42"]
+
+
+def test_a_dangling_lock_link_is_refused_and_its_target_not_created(
+        vllm_tree: Path, test_series: Path, tmp_path: Path) -> None:
+    """Before: apply created the dangling link's target."""
+    state(vllm_tree).mkdir()
+    target = tmp_path / "created-through-the-link"
+    os.symlink(target, state(vllm_tree) / "lock")
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == errors.HostilePatch.exit_code, err
+    assert not target.exists()
+
+
+def test_a_symlinked_vllm_folder_gets_no_lock_through_it(vllm_tree: Path, test_series: Path,
+                                                         tmp_path: Path) -> None:
+    """Before: the symlinked vllm/ was refused (9), but .m3patch/lock was created through it."""
+    box = tmp_path / "box"
+    box.mkdir()
+    os.symlink(vllm_tree / "vllm", box / "vllm")
+    code, _, err = cli("apply", "--vllm-root", str(box), "--series", str(test_series))
+    assert code == errors.HostilePatch.exit_code, err
+    assert not state(vllm_tree).exists()
+
+
+def test_a_state_file_link_to_dev_zero_or_a_fifo_is_refused(vllm_tree: Path,
+                                                           test_series: Path) -> None:
+    """A ledger that is a link to /dev/zero (never ends) or a FIFO (blocks) is a state file
+    m3patch cannot read: 7, at once."""
+    state(vllm_tree).mkdir()
+    os.symlink("/dev/zero", state(vllm_tree) / "ledger.json")
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert cli("status", *root)[0] == 0  # the files decide; the ledger is only noted
+    (state(vllm_tree) / "ledger.json").unlink()
+    os.mkfifo(state(vllm_tree) / "journal.json")
+    code, _, err = cli("apply", *root)
+    assert code == errors.TreeIOError.exit_code, err
+
+
+# ------------------------------------------------------------- file modes
+
+
+@pytest.mark.parametrize("mode", ["104755", "100777", "102644", "100999"])
+def test_a_new_file_mode_other_than_644_or_755_is_refused(mode: str, pristine_033: Path,
+                                                         tmp_path: Path) -> None:
+    """Before: 104755 and 100777 created setuid and world-writable files (lock and apply 0);
+    100999 ended in 70."""
+    series = series_of(tmp_path / "s", new_file_diff("vllm/m3_mode.py", ["x = 1"], mode))
+    code, _, err = cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert code == errors.HostilePatch.exit_code, err
+    assert mode in err
+
+
+def test_a_file_diff_with_dev_null_on_both_sides_is_a_usage_error(pristine_033: Path,
+                                                                  tmp_path: Path) -> None:
+    """Before: exit 70 (IndexError)."""
+    diff = "--- /dev/null\n+++ /dev/null\n@@ -0,0 +1 @@\n+x\n"
+    series = series_of(tmp_path / "s", diff)
+    code, _, err = cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert code == errors.UsageError.exit_code, err
+
+
+# ------------------------------------------------------------- apply --verify racing a revert
+
+
+def test_apply_verify_racing_a_revert_retries_under_the_lock(
+        vllm_tree: Path, test_series: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a revert that ran between apply's unlocked fast path and its verify made
+    `apply --verify` (serve, bench and ci's path) fail with 6 or 7."""
+    from m3patch.patching import api
+    from m3patch.patching.locate import find_vllm
+    from m3patch.patching.series import load_series
+
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert cli("apply", *root)[0] == 0
+    real_verify = api.verify_tree
+    calls = []
+
+    def revert_first(tree, series, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            api.revert_series(tree, series)
+        calls.append(1)
+        return real_verify(tree, series, **kwargs)
+
+    monkeypatch.setattr(api, "verify_tree", revert_first)
+    ensured = api.ensure_series(find_vllm(vllm_root=vllm_tree), load_series(test_series))
+    assert ensured.verify.ok and len(calls) == 2
+    assert ensured.ledger_bytes == (state(vllm_tree) / "ledger.json").read_bytes()
+
+
+# ------------------------------------------------------------- recovery errors are the tree's
+
+
+def test_recovery_failing_on_the_disk_is_the_trees_error(vllm_tree: Path, test_series: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: recovering a commit-phase journal on a full disk (here: an injected I/O error)
+    exited 27, blaming stdout."""
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert cli("apply", *root)[0] == 0
+    ledger = (state(vllm_tree) / "ledger.json").read_text()
+    version = vllm_tree / "vllm" / "version.py"
+    write_journal(vllm_tree, {"phase": "commit", "ledger": ledger, "entries": [
+        {"path": "vllm/version.py", "pre": "0" * 64, "post": sha(version.read_bytes()),
+         "stage": ".version.py.m3patch-new", "backup": ".version.py.m3patch-pre"}]})
+    monkeypatch.setenv("M3PATCH_FAULT", "fail-after:1")
+    code, _, err = cli("apply", *root)
+    assert code == errors.TreeIOError.exit_code, err
+    assert "recover" in err
+
+
+def test_a_folder_named_ledger_json_is_the_trees_error(vllm_tree: Path, test_series: Path) -> None:
+    """Before: exit 70."""
+    (state(vllm_tree) / "ledger.json").mkdir(parents=True)
+    for command in (["apply"], ["apply", "--verify"], ["revert"]):
+        code, _, err = cli(*command, "--vllm-root", str(vllm_tree), "--series", str(test_series))
+        assert code == errors.TreeIOError.exit_code, (command, err)
+
+
+# ------------------------------------------------------------- lows: depth, header-only patch
+
+
+def test_a_ledger_nested_2000_deep_is_a_corrupt_ledger(vllm_tree: Path, test_series: Path) -> None:
+    """Before: exit 70 (RecursionError)."""
+    state(vllm_tree).mkdir()
+    (state(vllm_tree) / "ledger.json").write_text("[" * 2000 + "]" * 2000)
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    for command in ("apply", "status", "verify", "revert"):
+        code, _, err = cli(command, *root)
+        assert code != errors.INTERNAL_ERROR_EXIT, (command, err)
+
+
+def test_a_deeply_nested_new_json_payload_fails_verify_cleanly(vllm_tree: Path, pristine_033: Path,
+                                                               tmp_path: Path) -> None:
+    """Before: a new .json file nested 3,000 deep ended verify in 70 (RecursionError)."""
+    series = series_of(tmp_path / "s", new_file_diff("vllm/m3_deep.json",
+                                                     ["[" * 3000 + "]" * 3000]))
+    assert cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))[0] == 0
+    root = ["--vllm-root", str(vllm_tree), "--series", str(series)]
+    code, _, err = cli("apply", "--verify", *root)
+    assert code in (0, errors.VerifyFailed.exit_code), err
+    assert cli("verify", *root)[0] in (0, errors.VerifyFailed.exit_code)
+
+
+def test_a_header_only_patch_is_refused_at_lock_time(pristine_033: Path, tmp_path: Path) -> None:
+    """Before: it locked with 0 and every later command refused the lock (2)."""
+    series = series_of(tmp_path / "s", "diff --git a/vllm/envs.py b/vllm/envs.py\n"
+                                       "--- a/vllm/envs.py\n+++ b/vllm/envs.py\n")
+    code, _, err = cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert code == errors.UsageError.exit_code, err
+
+
+
+
+@pytest.mark.parametrize("body", ["[]", '{"dir_info": []}', '{"dir_info": {"editable": "yes"}}',
+                                  "[" * 5000 + "]" * 5000])
+def test_a_hostile_direct_url_json_never_breaks_locate(vllm_tree: Path, test_series: Path,
+                                                       body: str) -> None:
+    """Before: a dist-info direct_url.json of `[]` or `{"dir_info": []}` ended `locate` (and
+    every command that describes the tree) in 70."""
+    dist = next(vllm_tree.glob("vllm-*.dist-info"))
+    (dist / "direct_url.json").unlink(missing_ok=True)
+    (dist / "direct_url.json").write_text(body)
+    code, _, err = cli("locate", "--vllm-root", str(vllm_tree))
+    assert code == 0, err
+    code, _, err = cli("status", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == 0, err
+
+
+def test_series_port_out_as_a_link_is_refused_before_any_work(pristine_033: Path, test_series: Path,
+                                                              tmp_path: Path) -> None:
+    """Before: `--out LINK` (a link to an empty folder) ended in 70 after the whole proof and left
+    `.LINK.tmp<PID>` behind."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(empty)
+    code, _, err = cli("series", "port", str(test_series), "--tree", str(pristine_033),
+                       "--out", str(link))
+    assert code == errors.UnsafeState.exit_code, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]
+    assert list(empty.iterdir()) == []
+
+
+# ------------------------------------------------------------- --json on every way out
+
+
+def test_a_command_line_error_under_json_prints_the_json_object(m3patch_cli: CliRunner) -> None:
+    """Before: argparse's usage text and exit 2, no JSON on stdout."""
+    done = m3patch_cli("status", "--json", "--no-such-flag")
+    assert done.returncode == errors.UsageError.exit_code
+    report = json.loads(done.stdout)
+    assert report["error"]["type"] == "UsageError" and "--no-such-flag" in report["error"]["message"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
+        vllm_tree: Path, test_series: Path, sig: signal.Signals) -> None:
+    """Before: SIGHUP or SIGQUIT while waiting for the tree lock ended with no JSON and no
+    documented code (the signal's default: killed, or a core dump)."""
+    from m3patch.patching import writer
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+    with writer.tree_lock(vllm_tree):
+        proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
+                                 str(vllm_tree), "--series", str(test_series)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(3)  # past start-up, into the lock wait
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == errors.Interrupted.exit_code, err
+    assert json.loads(out)["error"]["type"] == "Interrupted"

@@ -1,0 +1,45 @@
+"""Hostile variants of every state file m3patch reads back (tests/shared/state_fuzz.py): no exit
+70, no write or delete outside what m3patch owns, no exit 0 the files on disk contradict.
+
+The default suite runs a fast sample; the extended suite (`-m extended`) runs 10,500 inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import state_fuzz as sf
+
+SAMPLE = 210  # 30 per target: about 10 s on the CI machine
+EXTENDED = 10_500  # 1,500 per target
+
+
+def _check(tallies: dict[str, sf.Tally], per_target: int) -> None:
+    failures = [f for t in tallies.values() for f in t.failures]
+    assert failures == [], "\n".join(failures[:8])
+    for name, tally in tallies.items():
+        assert tally.tried == per_target, name
+        # the fuzz must reach refusals, or it is not exercising the reader
+        assert sum(c for code, c in tally.by_code.items() if code != 0) > 0, (name, tally.by_code)
+
+
+def test_hostile_state_files_sample(tmp_path: Path) -> None:
+    _check(sf.fuzz(tmp_path, SAMPLE, seed=0), SAMPLE // 7)
+
+
+@pytest.mark.extended
+def test_hostile_state_files_extended(tmp_path: Path) -> None:
+    _check(sf.fuzz(tmp_path, EXTENDED, seed=1), EXTENDED // 7)
+
+
+def test_the_state_oracle_sees_a_write_outside(tmp_path: Path) -> None:
+    """The sentinel snapshot must change when something outside is written: else the oracle
+    above could not fail."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "victim.json").write_text("{}")
+    before = sf.snapshot(folder)
+    (folder / "victim.json").write_text("{} ")
+    assert sf.snapshot(folder) != before
+    (folder / "victim.json").unlink()
+    assert sf.snapshot(folder) != before
