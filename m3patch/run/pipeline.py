@@ -56,7 +56,7 @@ from m3patch.recipe.regions import ServerGroup, server_groups
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
-from m3patch.serving.vllm_parser import check_launch
+from m3patch.serving.vllm_parser import LaunchCheck, check_launch
 
 LEDGER_COPY = "ledger.json"
 SERVERS_DIR = "servers"  # one folder per server group (server.log, serve.json) when regions split
@@ -193,6 +193,7 @@ class RunPipeline:
         self.plan: RunPlan | None = None
         self.ledger_sha256: str | None = None
         self.located: VllmTree | None = None  # the tree the launch check found; apply patches it
+        self.checks: tuple[LaunchCheck, ...] = ()  # each server group's launch check, in order
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
         self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
@@ -245,10 +246,11 @@ class RunPipeline:
             # vLLM's own parser, before the tree changes or the node loads anything: every
             # server form the sweep will start.
             first, *rest = self.groups()
-            checks = [check_launch(first.recipe, self.plan.python)]
+            checks = [check_launch(first.recipe, self.plan.python, defer=True)]
             self.located = checks[0].tree
-            checks += [check_launch(g.recipe, self.plan.python, located=self.located)
+            checks += [check_launch(g.recipe, self.plan.python, located=self.located, defer=True)
                        for g in rest]
+            self.checks = tuple(checks)  # in group order; a ServeSession runs what each owes
             where += f"; model files on disk; launch checked by {checks[0].checked_by}"
             if len(checks) > 1:
                 where += f" ({len(checks)} server groups)"
@@ -286,7 +288,7 @@ class RunPipeline:
         if len(groups) > 1:
             return StepDone(f"{len(groups)} server groups: the sweep step starts, gates and stops "
                             "one server per group")
-        session = self._start(groups[0].recipe, plan.run_dir)
+        session = self._start(groups[0], plan.run_dir)
         target = BenchTarget(Path(session.python), session.base_url, session.model, session.tokenizer)
         warnings = tuple(session.warnings_json())
         self.warnings += warnings
@@ -294,10 +296,12 @@ class RunPipeline:
         info(session.ready_line())
         return StepDone(session.ready_line() + warning_note(warnings), ("server.log", "serve.json"))
 
-    def _start(self, recipe: Recipe, run_dir: Path) -> ServeSession:
+    def _start(self, group: ServerGroup, run_dir: Path) -> ServeSession:
+        checked = self.checks[group.index - 1] if len(self.checks) >= group.index else None
         return self._held.enter_context(ServeSession(
-            recipe, run_dir, python=self.planned.python, port=self.spec.port,
-            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
+            group.recipe, run_dir, python=self.planned.python, port=self.spec.port,
+            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256,
+            launch_check=checked))
 
     def _sweep_groups(self, groups: tuple[ServerGroup, ...]) -> StepDone:
         """One server per group: started, gated, swept, stopped; then one aggregate of all."""
@@ -307,7 +311,7 @@ class RunPipeline:
             cells = tuple(c for c in plan.cells if c.cell_id in group.cell_ids)
             folder = plan.run_dir / SERVERS_DIR / f"group-{group.index}"
             with self._held:
-                session = self._start(group.recipe, folder)
+                session = self._start(group, folder)
                 warnings = tuple(session.warnings_json())
                 self.warnings += warnings
                 info(f"group {group.index}/{len(groups)}: {session.ready_line()}"
