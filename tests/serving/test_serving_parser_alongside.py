@@ -148,8 +148,8 @@ def test_serve_refuses_a_value_only_vllms_parser_rejects(
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     validated = m3patch_cli("recipe", "validate", "--no-lint-markers", str(path))  # type: ignore[operator]
     assert validated.returncode == 0, validated.stderr
-    env = {**os.environ, "M3PATCH_CACHE": str(tmp_path / "cache")}  # no cached verdict
-    before = {p.pid for p in live_processes()}
+    cache = str(tmp_path / "cache")
+    env = {**os.environ, "M3PATCH_CACHE": cache}  # no cached verdict
     run_dir = tmp_path / "run"
     result = m3patch_cli("serve", str(path), "--run-dir", str(run_dir), "--stop-after-ready",  # type: ignore[operator]
                          env=env, timeout=600)
@@ -158,5 +158,14 @@ def test_serve_refuses_a_value_only_vllms_parser_rejects(
     assert "Traceback" not in result.stderr
     summary = json.loads((run_dir / "serve.json").read_text())  # the server had started
     assert summary["exit_status"] is not None
-    left = [p for p in live_processes() if p.pid not in before and p.pgid == summary["pgid"]]
-    assert not left
+    # Nothing this serve started is left: not the server's group, not the probe (both inherit
+    # this test's own cache folder in their environment).
+    assert not [p.pid for p in live_processes() if p.pgid == summary["pgid"]]
+    assert not [p.pid for p in live_processes() if _inherits(p.pid, f"M3PATCH_CACHE={cache}")]
+
+
+def _inherits(pid: int, entry: str) -> bool:
+    try:
+        return entry.encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
