@@ -31,6 +31,10 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
 | 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 28   | NodeAddress           | a multi-node set has no routable head or node address, or the network interface is missing |
+| 29   | RunDirBusy            | another live set holds the multi-node run folder               |
+| 31   | AgenticClientError    | AIPerf (the agentic client) is missing, not the pinned version, failed, or left no valid export |
+| 32   | KvOffloadError        | the KV-offload tier failed: LMCache not the pinned version, a server not healthy by its deadline |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM                                                 |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -162,11 +166,40 @@ class NodeLost(M3PatchError):
     exit_code = 26
 
 
+class NodeAddress(M3PatchError):
+    """A multi-node set has no routable address to bind or reach: no head address, a head name
+    that does not resolve, loopback where nodes live on separate hosts, or a network interface
+    that is not there. Refused before any server starts; never a fallback to 127.0.0.1."""
+
+    exit_code = 28
+
+
+class RunDirBusy(M3PatchError):
+    """Another set, still alive (fresh heartbeat), holds the run folder: two sets in one folder
+    would overwrite each other's logs and results."""
+
+    exit_code = 29
+
+
 class OutputFailed(M3PatchError):
     """stdout (or stderr) refused a write: a full device, a quota, an I/O error. The command's
     work stands; only its report was lost."""
 
     exit_code = 27
+
+
+class AgenticClientError(M3PatchError):
+    """The agentic-coding client (AIPerf, in its own venv) cannot run or measured nothing valid:
+    not installed, not the pinned version, exited non-zero, or its export misses a field."""
+
+    exit_code = 31
+
+
+class KvOffloadError(M3PatchError):
+    """The recipe's KV-offload tier cannot serve: LMCache is not installed at the pinned version,
+    or one of its per-rank servers exited or missed its health deadline."""
+
+    exit_code = 32
 
 
 class Interrupted(M3PatchError):
@@ -180,5 +213,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
-    NodeLost, OutputFailed, Interrupted,
+    NodeLost, NodeAddress, RunDirBusy, OutputFailed, Interrupted,
 )

@@ -23,13 +23,14 @@ OUTPUT_FAILED_EXIT = 27  # errors.OutputFailed, without importing the errors mod
 class Command(NamedTuple):
     module: str
     help: str
+    read_only: bool = False  # writes nothing at all, not even to m3patch's memos
 
 
 COMMANDS: dict[str, Command] = {
-    "locate": Command("m3patch.commands.locate", "show the vLLM tree an interpreter would import"),
+    "locate": Command("m3patch.commands.locate", "show the vLLM tree an interpreter would import", read_only=True),
     "apply": Command("m3patch.commands.apply", "apply the patch series (atomic, idempotent)"),
-    "verify": Command("m3patch.commands.verify", "check the tree equals the pinned post-images"),
-    "status": Command("m3patch.commands.status", "per-patch, per-file, per-hunk state"),
+    "verify": Command("m3patch.commands.verify", "check the tree equals the pinned post-images", read_only=True),
+    "status": Command("m3patch.commands.status", "per-patch, per-file, per-hunk state", read_only=True),
     "revert": Command("m3patch.commands.revert", "restore the exact pinned pre-images"),
     "series": Command("m3patch.commands.series", "maintain a series (lock pins, show, port)"),
     "recipe": Command("m3patch.commands.recipe", "validate or show recipes"),
@@ -94,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
         return 2
     with handle_errors(debug=ns.debug_traceback) as outcome:
+        if COMMANDS[name].read_only:
+            from m3patch.patching import memo
+
+            memo.forbid_writes()
         module = importlib.import_module(COMMANDS[name].module)
         parser = argparse.ArgumentParser(
             prog=f"m3patch {name}", description=COMMANDS[name].help, allow_abbrev=False

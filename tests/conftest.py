@@ -73,7 +73,7 @@ def cpu_venv() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(cpu_venv: Path) -> Path:
-    """The tiny random Qwen3-MoE (scripts/setup/make_tiny_model.py; cached, deterministic)."""
+    """The tiny Qwen3-MoE trained to add (scripts/setup/make_tiny_model.py; cached, deterministic)."""
     default = Path.home() / ".cache" / "m3patch" / "tiny-moe"
     out = Path(os.environ.get("M3PATCH_TINY_MODEL", default))
     subprocess.run([str(cpu_venv / "bin" / "python"), str(REPO / "scripts" / "setup" / "make_tiny_model.py"),

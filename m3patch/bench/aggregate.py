@@ -26,16 +26,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from m3patch.bench.agentic.results import ROW_FIELDS as AGENTIC_FIELDS
+from m3patch.bench.agentic.results import agentic_row, is_agentic, read_agentic_cell
 from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
     FIX_HINT,
     METRICS,
     invalid,
     read_cell_file,
+    read_json_object,
     write_result,
 )
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json, write_bytes_atomic
+from m3patch.recipe.agentic import AGENTIC_CODING
 from m3patch.recipe.lengths import CONVENTIONS
 
 AGGREGATE_JSON = "aggregate.json"
@@ -73,8 +77,18 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def read_any_cell(path: Path) -> dict[str, Any]:
+    """A per-cell file of either scenario, checked: an agentic cell (AIPerf) or a fixed-length
+    one (vLLM's client)."""
+    if is_agentic(read_json_object(path)):
+        return read_agentic_cell(path)
+    return read_cell_file(path)
+
+
 def cell_row(data: dict[str, Any]) -> dict[str, Any]:
     """One aggregate row from a checked per-cell document (pure)."""
+    if is_agentic(data):
+        return agentic_row(data, PROVENANCE_FIELDS)
     cell, prov = data["m3patch"]["cell"], data["m3patch"]["provenance"]
     gpus = cell["gpu_count"]
     total, output = data["total_token_throughput"], data["output_throughput"]
@@ -149,6 +163,43 @@ def _decode(row: dict[str, Any], text: str | None) -> str:
     return text if text is not None else "-"
 
 
+AGENTIC_COLUMNS = (
+    "cell_id", "concurrency", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count", "parallelism",
+    "kv_offload_label", "kv_offload_backend", "kv_offload_version", "trace", *INFERENCEX_FIELDS,
+    *PROVENANCE_FIELDS, *AGENTIC_FIELDS,
+)  # fmt: skip
+AGENTIC_RESULT_COLUMNS = ["parallelism", "kv-offload", "conc", "tok/s/GPU", "out tok/s/GPU",
+                          "E2E-norm intvty p90", "TTFT p90 ms", "ITL p50 ms", "prefix hit %",
+                          "KV use max %", "ok/total"]
+
+
+def _pct(value: object) -> str:
+    """A share in percent, three significant digits: a small real figure never prints as 0.0."""
+    return f"{value * 100:.3g}" if isinstance(value, (int, float)) else "-"
+
+
+def _num(value: object, spec: str = ".2f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def agentic_result_cells(row: dict[str, Any]) -> list[Any]:
+    """One line of an agentic run's table: InferenceX's headline first (tok/s per user, from
+    1 / P90 of E2EL / OSL), the per-GPU throughput, the server's prefix-cache hit rate."""
+    return [row["parallelism"], row.get("kv_offload_label"), row["concurrency"],
+            _num(row.get("tput_per_gpu"), ".1f"), _num(row.get("output_tput_per_gpu"), ".1f"),
+            _num(row.get("p90_e2e_norm_intvty")), _ms(row.get("p90_ttft")),
+            _ms(row.get("p50_itl")), _pct(row.get("server_gpu_cache_hit_rate")),
+            _pct(row.get("gpu_kv_cache_usage_pct")),
+            f"{row.get('num_requests_successful')}/{row.get('num_requests_total')}"]
+
+
+def table_of(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """The results table's columns and lines for a run's rows (either scenario)."""
+    if rows and all(row.get("scenario_type") == AGENTIC_CODING for row in rows):
+        return AGENTIC_RESULT_COLUMNS, [agentic_result_cells(r) for r in rows]
+    return RESULT_COLUMNS, [result_cells(r) for r in rows]
+
+
 RESULT_COLUMNS = ["parallelism", "isl/osl", "conc", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 ms",
                   "TPOT p50 ms", "tok/s/user", "ok/failed"]
 
@@ -177,20 +228,23 @@ def rows_of_run(run_dir: Path, cell_ids: Sequence[str] | None = None) -> list[di
         files = [run_dir / CELLS_DIR / f"{cell_id}.json" for cell_id in cell_ids]
     if not files:
         raise invalid(run_dir / CELLS_DIR, None, "no per-cell result files")
-    rows = [cell_row(read_cell_file(path)) for path in files]
+    rows = [cell_row(read_any_cell(path)) for path in files]
     return sorted(rows, key=_order)
 
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["isl"], row["osl"], row["gpu_count"], row["parallelism"], row["concurrency"])
+    return (row.get("isl") or 0, row.get("osl") or 0, row.get("kv_offload_label") or "",
+            row["gpu_count"], row["parallelism"], row["concurrency"])
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
+    columns = (AGENTIC_COLUMNS if rows and rows[0].get("scenario_type") == AGENTIC_CODING
+               else COLUMNS)
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(COLUMNS), lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=list(columns), lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({key: "" if row.get(key) is None else row[key] for key in COLUMNS})
+        writer.writerow({key: "" if row.get(key) is None else row[key] for key in columns})
     return out.getvalue()
 
 
@@ -231,6 +285,9 @@ def load_aggregate(path: Path) -> dict[str, Any]:
 def _check_row(row: object, where: str, file: Path) -> None:
     if not isinstance(row, dict):
         raise invalid(file, where, "expected an object")
+    if row.get("scenario_type") == AGENTIC_CODING:
+        _check_agentic_row(row, where, file)
+        return
     for key in (*KEY_FIELDS, "tput_per_gpu", "median_intvty"):
         if key not in row and key != "length_convention":  # older aggregates: vLLM's
             raise invalid(file, f"{where}.{key}", "missing")
@@ -254,3 +311,18 @@ def _check_row(row: object, where: str, file: Path) -> None:
     tput = row["tput_per_gpu"]
     if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:
         raise invalid(file, f"{where}.tput_per_gpu", f"expected a number >= 0, got {tput!r}")
+
+
+def _check_agentic_row(row: dict[str, Any], where: str, file: Path) -> None:
+    """An agentic row: its shape keys and the headline figures compare and plot read."""
+    for key in ("concurrency", "tp", "pp", "ep", "dp", "gpu_count"):
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid(file, f"{where}.{key}", f"expected a positive integer, got {value!r}")
+    for key in ("cell_id", "parallelism", "kv_offload_label"):
+        if not isinstance(row.get(key), str):
+            raise invalid(file, f"{where}.{key}", f"expected a string, got {row.get(key)!r}")
+    for key in ("tput_per_gpu", "p90_e2e_norm_intvty"):
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise invalid(file, f"{where}.{key}", f"expected a number >= 0, got {value!r}")

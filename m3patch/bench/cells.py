@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from m3patch.errors import UsageError
+from m3patch.recipe.agentic import KvOffload
 from m3patch.recipe.lengths import INFERENCEX, VLLM
 
 PROMPTS_PER_CONCURRENCY = 10
@@ -102,6 +103,27 @@ class Cell:
     def cell_id(self) -> str:
         """Stable file-name-safe key; also the key compare matches cells on."""
         return f"isl{self.seq.isl}-osl{self.seq.osl}-{self.parallelism.slug}-c{self.concurrency}"
+
+
+@dataclass(frozen=True)
+class AgenticCell:
+    """One concurrency of an agentic-coding row: sessions replayed by AIPerf for a duration (or a
+    request count) against a server with this row's KV-offload tier."""
+
+    parallelism: Parallelism
+    concurrency: int
+    kv_offload: KvOffload
+    trace: str  # the trace source's label (recipe.agentic.TraceSource.label)
+    duration_s: int | None
+    request_count: int | None
+    warmup_request_count: int
+
+    @property
+    def cell_id(self) -> str:
+        return f"agentic-{self.kv_offload.label}-{self.parallelism.slug}-c{self.concurrency}"
+
+
+AnyCell = Cell | AgenticCell
 
 
 def checked_concurrencies(values: Iterable[int]) -> tuple[int, ...]:

@@ -93,18 +93,22 @@ def run_client(
     log_path: Path,
     deadline_s: float,
     check_server: Callable[[], None],
+    env: dict[str, str] | None = None,
+    client: str = "vllm bench serve",
 ) -> ClientRun:
     """Run the client to completion; raise if the cell overran or the server died meanwhile.
 
     `check_server` raises (ServerDied, MarkerForbidden, ...) when the server is no longer fit to
-    measure; the client is then stopped and the server's error propagates unchanged.
+    measure; the client is then stopped and the server's error propagates unchanged. `env`
+    defaults to the server's loopback-only settings; `client` names it in a deadline message.
     """
-    env = {**os.environ, **dict(LOOPBACK_ENV)}  # the server's loopback-only settings
+    env = env if env is not None else {**os.environ, **dict(LOOPBACK_ENV)}
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            returncode = _wait(proc, cell_id, started + deadline_s, deadline_s, check_server)
+            returncode = _wait(proc, f"cell {cell_id}: {client}", started + deadline_s,
+                               deadline_s, check_server)
         finally:
             stop_group(proc, STOP_LADDER)
     return ClientRun(returncode, time.monotonic() - started, log_path)
@@ -112,7 +116,7 @@ def run_client(
 
 def _wait(
     proc: subprocess.Popen[bytes],
-    cell_id: str,
+    what: str,
     deadline: float,
     deadline_s: float,
     check_server: Callable[[], None],
@@ -124,7 +128,7 @@ def _wait(
             pass
         check_server()
         if time.monotonic() > deadline:
-            msg = f"cell {cell_id}: vllm bench serve still running after its {deadline_s:g} s deadline"
+            msg = f"{what} still running after its {deadline_s:g} s deadline"
             raise BenchFailed(msg, hint=CELL_DEADLINE_HINT)
 
 

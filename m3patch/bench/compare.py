@@ -21,6 +21,10 @@ from m3patch.recipe.lengths import INFERENCEX, VLLM
 # range_ratio too: another length distribution is another workload, not a speedup.
 SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "tp", "pp", "ep", "dp",
                 "dp_attention", "gpu_count")
+# An agentic row's shape adds the scenario, its KV-offload tier and the trace it replayed; a
+# fixed-length row has none of them (null), so the two never match each other.
+AGENTIC_SHAPE_FIELDS = ("scenario_type", "kv_offload_label", "trace")
+AGENTIC_STATS = ("mean", "p50", "p75", "p90", "p95")
 DEFAULT_METRIC = "tput_per_gpu"
 METRIC_LABELS = {
     "tput_per_gpu": "total tok/s/GPU",
@@ -30,6 +34,11 @@ METRIC_LABELS = {
     # Latencies: a positive change is slower, so the label says which way is better.
     **{f"{stat}_{metric}": f"{stat} {metric.upper()} s (lower is better)"
        for metric in METRICS for stat in ALL_STATS},
+    # The agentic scenario (InferenceX's names): the North-Star axis first.
+    **{f"{stat}_e2e_norm_intvty": f"{stat} E2E-normalised tok/s/user" for stat in AGENTIC_STATS},
+    **{f"{stat}_{metric}": f"{stat} {metric.upper()} s (lower is better)"
+       for metric in ("ttft", "e2el", "itl") for stat in ("p75", "p95")},
+    "server_gpu_cache_hit_rate": "prefix-cache hit rate",
 }
 
 
@@ -67,10 +76,14 @@ class Comparison:
 def shape(row: dict[str, Any]) -> tuple[Any, ...]:
     # Rows written before the convention was recorded used vLLM's.
     filled = {**row, "length_convention": row.get("length_convention") or VLLM}
-    return tuple(filled[field] for field in SHAPE_FIELDS)
+    return (*(filled[field] for field in SHAPE_FIELDS),
+            *(row.get(field) for field in AGENTIC_SHAPE_FIELDS))
 
 
 def seq_label(row: dict[str, Any]) -> str:
+    """ISL/OSL of a fixed-length row; `agentic <tier>` of an agentic-coding one."""
+    if row.get("scenario_type") == "agentic-coding":
+        return f"agentic {row.get('kv_offload_label')}"
     isl, osl = row["isl"], row["osl"]
     if isl % 1024 == 0 and osl % 1024 == 0:
         return f"{isl // 1024}K/{osl // 1024}K"

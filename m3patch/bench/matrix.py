@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from m3patch.bench.cells import Cell, Parallelism, SeqLen
+from m3patch.bench.cells import AgenticCell, AnyCell, Cell, Parallelism, SeqLen
 from m3patch.errors import UsageError
 
 GITHUB_MATRIX_LIMIT = 256  # GitHub refuses a matrix with more jobs than this
@@ -41,7 +41,7 @@ class MatrixRecipe:
     image: str | None
     model: str
     parallelism: Parallelism
-    cells: tuple[Cell, ...]  # from cells.sweep_cells, in run order
+    cells: tuple[AnyCell, ...]  # from spec.recipe_cells, in run order
     eval_tasks: tuple[str, ...] = ()  # the recipe's eval task names; empty: no eval section
     groups: tuple[tuple[str, ...], ...] = ()  # cell ids per server group (recipe.regions)
 
@@ -54,7 +54,25 @@ def exp_name(recipe: MatrixRecipe, seq: SeqLen) -> str:
     return f"{recipe.name}_{label}"
 
 
-def cell_job(recipe: MatrixRecipe, cell: Cell) -> dict[str, Any]:
+def agentic_job(recipe: MatrixRecipe, cell: AgenticCell) -> dict[str, Any]:
+    """InferenceX's agentic matrix entry keys (scenario-type, kv-offloading, duration)."""
+    par, kv = cell.parallelism, cell.kv_offload
+    backend = {"name": kv.backend, "version": kv.version} if kv.backend else None
+    return {
+        "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
+        "image": recipe.image or "", "model": recipe.model,
+        "exp-name": f"{recipe.name}_agentic_{kv.label}", "cell-id": cell.cell_id,
+        "scenario-type": "agentic-coding", "conc": cell.concurrency,
+        "kv-offloading": kv.tier, "kv-offload-backend": backend, "duration": cell.duration_s,
+        "server-group": recipe.group_of(cell.cell_id),
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
+        "gpus": par.gpu_count, "parallelism": par.label,
+    }  # fmt: skip
+
+
+def cell_job(recipe: MatrixRecipe, cell: AnyCell) -> dict[str, Any]:
+    if isinstance(cell, AgenticCell):
+        return agentic_job(recipe, cell)
     par = cell.parallelism
     return {
         "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
@@ -68,12 +86,13 @@ def cell_job(recipe: MatrixRecipe, cell: Cell) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def recipe_job(recipe: MatrixRecipe, cells: Sequence[Cell]) -> dict[str, Any]:
+def recipe_job(recipe: MatrixRecipe, cells: Sequence[AnyCell]) -> dict[str, Any]:
     par = recipe.parallelism
+    fixed = [cell for cell in cells if isinstance(cell, Cell)]
     return {
         "recipe": recipe.path, "name": recipe.name, "platform": recipe.platform,
         "image": recipe.image or "", "model": recipe.model, "cells": len(cells),
-        "max-model-len": max(cell.seq.max_model_len for cell in cells),
+        "max-model-len": max((cell.seq.max_model_len for cell in fixed), default=None),
         "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "dp-attn": par.dp_attention,
         "gpus": par.gpu_count, "parallelism": par.label,
     }  # fmt: skip
@@ -105,7 +124,7 @@ def eval_jobs(recipes: Sequence[MatrixRecipe], mode: EvalJobs) -> list[dict[str,
     return [eval_job(r) for r in recipes if r.eval_tasks]
 
 
-def group_job(recipe: MatrixRecipe, index: int, cells: Sequence[Cell]) -> dict[str, Any]:
+def group_job(recipe: MatrixRecipe, index: int, cells: Sequence[AnyCell]) -> dict[str, Any]:
     """One server group: `m3patch bench RECIPE <only-args>` starts one server for it."""
     return {**recipe_job(recipe, cells), "server-group": index,
             "only-args": " ".join(f"--only {cell.cell_id}" for cell in cells)}

@@ -17,6 +17,7 @@ from m3patch.errors import UsageError
 
 THROUGHPUT_PNG = "throughput_per_gpu.png"
 INTERACTIVITY_PNG = "interactivity_vs_throughput.png"
+PARETO_PNG = "throughput_vs_e2e_interactivity.png"  # agentic runs: InferenceX's Pareto axes
 LINE_STYLES = ("--", "-")  # base, new
 
 
@@ -69,14 +70,7 @@ def draw(runs: Sequence[PlotRun], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     heading = " vs ".join(f"{run.role}: {run.title}" for run in runs)
     paths = []
-    for name, x_key, y_key, x_label, y_label, log_x, log_y in (
-        (THROUGHPUT_PNG, "concurrency", "tput_per_gpu", "concurrency (requests in flight)",
-         "total throughput per GPU (tok/s/GPU)", True, False),
-        # Log y: a server that flushes tokens in bursts has a near-zero median TPOT, and one such
-        # cell would flatten every other point onto the axis.
-        (INTERACTIVITY_PNG, "tput_per_gpu", "median_intvty", "total throughput per GPU (tok/s/GPU)",
-         "interactivity, 1000 / median TPOT (tok/s/user, log)", False, True),
-    ):
+    for name, x_key, y_key, x_label, y_label, log_x, log_y in _figures(runs):
         fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
         for style, run in zip(LINE_STYLES if len(runs) > 1 else ("-",), runs, strict=False):
             _plot_run(ax, run, x_key, y_key, style)
@@ -104,6 +98,24 @@ def draw(runs: Sequence[PlotRun], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _figures(runs: Sequence[PlotRun]) -> tuple[tuple[str, str, str, str, str, bool, bool], ...]:
+    """(file, x, y, x label, y label, log x, log y) per figure. An agentic run's second figure
+    is InferenceX's Pareto plot: E2E-normalised interactivity (1 / P90 of E2EL / OSL) on x,
+    throughput per GPU on y."""
+    throughput = (THROUGHPUT_PNG, "concurrency", "tput_per_gpu",
+                  "concurrency (requests in flight)", "total throughput per GPU (tok/s/GPU)",
+                  True, False)
+    if any(row.get("scenario_type") == "agentic-coding" for run in runs for row in run.rows):
+        return throughput, (PARETO_PNG, "p90_e2e_norm_intvty", "tput_per_gpu",
+                            "E2E-normalised interactivity, 1 / P90(E2EL / OSL) (tok/s/user)",
+                            "total throughput per GPU (tok/s/GPU)", False, False)
+    # Log y: a server that flushes tokens in bursts has a near-zero median TPOT, and one such
+    # cell would flatten every other point onto the axis.
+    return throughput, (INTERACTIVITY_PNG, "tput_per_gpu", "median_intvty",
+                        "total throughput per GPU (tok/s/GPU)",
+                        "interactivity, 1000 / median TPOT (tok/s/user, log)", False, True)
 
 
 def _plot_run(ax: Any, run: PlotRun, x_key: str, y_key: str, style: str) -> None:

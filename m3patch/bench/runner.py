@@ -16,12 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.bench import spec
-from m3patch.bench.aggregate import CELLS_DIR, cell_files, load_aggregate, write_aggregate
-from m3patch.bench.cells import Cell
+from m3patch.bench.agentic.aiperf import AgenticTarget
+from m3patch.bench.agentic.results import finished as agentic_finished
+from m3patch.bench.agentic.sweep import run_agentic_sweep
+from m3patch.bench.aggregate import (
+    CELLS_DIR,
+    cell_files,
+    load_aggregate,
+    read_any_cell,
+    write_aggregate,
+)
+from m3patch.bench.cells import AgenticCell, AnyCell, Cell
 from m3patch.bench.client import BenchTarget, server_died
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
-from m3patch.bench.results import finished_cell, read_cell_file
-from m3patch.bench.sweep import SweepOutcome, SweepSettings, run_sweep
+from m3patch.bench.results import finished_cell
+from m3patch.bench.sweep import SweepOutcome, SweepSettings, print_results, run_sweep
 from m3patch.errors import ResultsInvalid, UsageError
 from m3patch.output import info, warn
 from m3patch.recipe.loader import Recipe
@@ -30,7 +39,7 @@ HEALTH_TIMEOUT_S = 5.0
 PLOTS_DIR = "plots"
 
 
-def select_cells(recipe: Recipe, only: Sequence[str]) -> tuple[Cell, ...]:
+def select_cells(recipe: Recipe, only: Sequence[str]) -> tuple[AnyCell, ...]:
     cells = spec.recipe_cells(recipe)
     if not only:
         return cells
@@ -62,16 +71,24 @@ def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[
 
 def sweep_session(
     recipe: Recipe, python: str, target: BenchTarget, settings: SweepSettings,
-    cells: Sequence[Cell], check_server: Callable[[], None], *, server: str = spec.SESSION_SERVER,
+    cells: Sequence[AnyCell], check_server: Callable[[], None], *, server: str = spec.SESSION_SERVER,
     server_warnings: Sequence[dict[str, object]] = (),
 ) -> SweepOutcome:
     provenance = spec.provenance(recipe, python, server)
     # `warn` markers the server logged by readiness: reported beside every number they touch.
     provenance["server_warnings"] = list(server_warnings)
+    meta = run_meta(recipe, settings.run_dir, provenance)
+    if recipe.sweep.agentic is not None:
+        agentic = AgenticTarget(target.base_url, target.served_model, target.tokenizer)
+        return run_agentic_sweep(
+            [c for c in cells if isinstance(c, AgenticCell)], recipe.sweep.agentic, agentic,
+            settings, provenance=provenance, meta=meta,
+            deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell),
+            check_server=check_server, print_rows=print_results)
     return run_sweep(
-        cells, target, settings, provenance=provenance,
-        meta=run_meta(recipe, settings.run_dir, provenance),
-        deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell), check_server=check_server,
+        [c for c in cells if isinstance(c, Cell)], target, settings, provenance=provenance,
+        meta=meta, deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell),
+        check_server=check_server,
     )
 
 
@@ -89,17 +106,22 @@ def health_probe(base_url: str, rerun: str) -> Callable[[], None]:
     return check
 
 
-def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[Cell], *,
+def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[AnyCell], *,
                 note: str | None = None) -> None:
     """aggregate.json over every cell's file (a resumed run, or one swept group by group)."""
-    first = read_cell_file(run_dir / CELLS_DIR / f"{cells[0].cell_id}.json")
+    first = read_any_cell(run_dir / CELLS_DIR / f"{cells[0].cell_id}.json")
     meta = run_meta(recipe, run_dir, first["m3patch"]["provenance"])
     write_aggregate(run_dir, meta, [cell.cell_id for cell in cells])
     info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def all_finished(run_dir: Path, cells: Sequence[Cell]) -> bool:
-    return all(finished_cell(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
+def all_finished(run_dir: Path, cells: Sequence[AnyCell]) -> bool:
+    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell) for cell in cells)
+
+
+def cell_finished(path: Path, cell: AnyCell) -> bool:
+    """For --resume: a valid, complete file for exactly this cell (either scenario)."""
+    return agentic_finished(path, cell) if isinstance(cell, AgenticCell) else finished_cell(path, cell)
 
 
 def check_results(run_dir: Path) -> tuple[list[Path], dict[str, Any]]:
@@ -109,7 +131,7 @@ def check_results(run_dir: Path) -> tuple[list[Path], dict[str, Any]]:
         msg = f"{run_dir}: no per-cell result files under cells/"
         raise ResultsInvalid(msg, hint=f"m3patch ci RECIPE --resume --run-dir {run_dir}")
     for path in cells:
-        read_cell_file(path)
+        read_any_cell(path)
     return cells, load_aggregate(run_dir)
 
 

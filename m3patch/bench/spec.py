@@ -15,14 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from m3patch.bench.cells import Cell, Parallelism, sweep_cells
+from m3patch.bench.cells import AgenticCell, AnyCell, Cell, Parallelism, sweep_cells
 from m3patch.bench.matrix import MatrixRecipe
 from m3patch.errors import UsageError
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import find_vllm
 from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 
 IMAGE_ENV = "M3PATCH_IMAGE"
 # `vllm bench serve` spends ~11 s importing before its first request on a 2-core CPU
@@ -54,8 +54,26 @@ def in_recipe(recipe: Recipe) -> Iterator[None]:
         raise UsageError(msg, hint=exc.hint) from None
 
 
-def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
+def recipe_cells(recipe: Recipe) -> tuple[AnyCell, ...]:
     """The recipe's sweep cells: what `bench` runs, `bench --only` selects from, `matrix` emits."""
+    if recipe.sweep.agentic is not None:
+        return agentic_cells(recipe)
+    return fixed_cells(recipe)
+
+
+def agentic_cells(recipe: Recipe) -> tuple[AgenticCell, ...]:
+    """One cell per (row, concurrency) of an agentic-coding sweep, in the recipe's order."""
+    scenario = recipe.sweep.agentic
+    assert scenario is not None, "an agentic-coding recipe"
+    par = parallelism_of(recipe)
+    return tuple(
+        AgenticCell(par, conc, row.kv_offload, scenario.trace.label, scenario.duration_s,
+                    scenario.request_count, scenario.warmup_request_count)
+        for row in scenario.rows for conc in row.concurrencies)
+
+
+def fixed_cells(recipe: Recipe) -> tuple[Cell, ...]:
+    """The fixed-seq-len cells of the recipe's isl/osl rows."""
     sweep = recipe.sweep
     rows = [(row.isl, row.osl, row.concurrencies) for row in sweep.rows]
     with in_recipe(recipe):
@@ -65,8 +83,16 @@ def recipe_cells(recipe: Recipe) -> tuple[Cell, ...]:
     return tuple(replace(cell, chat=sweep.chat) for cell in cells) if sweep.chat else cells
 
 
-def cell_deadline_s(recipe: Recipe, cell: Cell) -> float:
-    """Worst case the recipe allows: every wave of `concurrency` requests takes request-s."""
+def cell_deadline_s(recipe: Recipe, cell: AnyCell) -> float:
+    """Worst case the recipe allows: every wave of `concurrency` requests takes request-s (an
+    agentic cell: its duration, then one request-s for the requests still in flight)."""
+    if isinstance(cell, AgenticCell):
+        warm = math.ceil(cell.warmup_request_count / cell.concurrency)
+        if cell.duration_s is not None:
+            return CLIENT_STARTUP_S + cell.duration_s + (warm + 1) * recipe.deadlines.request_s
+        assert cell.request_count is not None
+        waves = warm + math.ceil(cell.request_count / cell.concurrency)
+        return CLIENT_STARTUP_S + waves * recipe.deadlines.request_s
     waves = math.ceil((cell.num_prompts + cell.num_warmups) / cell.concurrency)
     return CLIENT_STARTUP_S + waves * recipe.deadlines.request_s
 
@@ -75,7 +101,8 @@ def matrix_recipe(recipe: Recipe, shown_path: str) -> MatrixRecipe:
     cells = recipe_cells(recipe)
     return MatrixRecipe(
         path=shown_path, name=recipe.name, platform=recipe.target.platform,
-        image=recipe.target.image, model=recipe.model.source, parallelism=parallelism_of(recipe),
+        image=recipe.target.image, model=recipe.model.source_text or recipe.model.source,
+        parallelism=parallelism_of(recipe),
         cells=cells, groups=tuple(g.cell_ids for g in server_groups(recipe, cells)),
         eval_tasks=tuple(t.task for t in recipe.eval.tasks) if recipe.eval else (),
     )  # fmt: skip

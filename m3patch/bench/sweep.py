@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.bench import results as res
-from m3patch.bench.aggregate import CELLS_DIR, RESULT_COLUMNS, result_cells, write_aggregate
+from m3patch.bench.aggregate import CELLS_DIR, table_of, write_aggregate
 from m3patch.bench.cells import Cell
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
@@ -89,8 +89,8 @@ def run_sweep(
 
 def print_results(rows: Sequence[dict[str, Any]], title: str) -> None:
     """The table users read first: InferenceX's per-GPU throughput and latency per cell."""
-
-    table(title, RESULT_COLUMNS, [result_cells(r) for r in rows])
+    columns, lines = table_of(rows)
+    table(title, columns, lines)
 
 
 def _measure(

@@ -1,6 +1,7 @@
 """Cross-references from entries to the repository: recipes, series, patch ids (pure).
 
-`config-keys` name recipes: a key matches a recipe file by its path from the repository root
+`config-keys` name recipes, the YAML files directly in recipes/ (its subfolders hold other data:
+the eval tasks under recipes/evals/ are no recipes): a key matches a recipe file by its path from the repository root
 (`recipes/cpu_tiny_moe.yaml`), its path under recipes/ (`cpu_tiny_moe.yaml`) or that without
 the suffix (`cpu_tiny_moe`); `*`, `?` and `[...]` globs work, and every key, glob or not, must
 match at least one recipe (a typo would otherwise select nothing and pass).
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from m3patch.changelog.entries import ChangelogEntry
 from m3patch.changelog.findings import Finding, error
+from m3patch.schema import suggest
 
 RECIPES_DIR = "recipes"
 PATCHES_DIR = "patches"
@@ -24,9 +26,15 @@ RECIPE_SUFFIXES = (".yaml", ".yml")
 class Catalog:
     """What the entries may name, read from the head (work tree or git ref)."""
 
-    recipes: tuple[str, ...]  # repository-relative paths under recipes/
+    recipes: tuple[str, ...]  # repository-relative paths of the YAML files directly in recipes/
     series: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # folder -> patch ids
     series_errors: Mapping[str, str] = field(default_factory=dict)  # folder -> why unreadable
+
+
+def is_recipe_path(path: str) -> bool:
+    """A recipe: a YAML file directly in recipes/ (as recipe names resolve); not eval tasks."""
+    head, _, name = path.rpartition("/")
+    return head == RECIPES_DIR and name.endswith(RECIPE_SUFFIXES)
 
 
 def recipe_names(path: str) -> tuple[str, ...]:
@@ -52,9 +60,12 @@ def _missing_recipe(entry: ChangelogEntry, key: str, catalog: Catalog) -> Findin
     if matching_recipes(key, catalog):
         return None
     kind = "glob " if any(c in key for c in "*?[") else ""
-    known = ", ".join(sorted(recipe_names(p)[2] for p in catalog.recipes)) or "none"
-    msg = f"config-keys: {kind}{key!r} matches no recipe under {RECIPES_DIR}/ (known: {known})"
-    return error("config-keys", msg, entry.line, f"add {RECIPES_DIR}/{key}.yaml or fix the key")
+    stems = sorted(recipe_names(p)[2] for p in catalog.recipes)
+    nearest = suggest(key, stems) if stems else f" There are no recipes under {RECIPES_DIR}/."
+    msg = f"config-keys: {kind}{key!r} matches no recipe under {RECIPES_DIR}/.{nearest}"
+    return error("config-keys", msg, entry.line,
+                 f"fix the key (`ls {RECIPES_DIR}/*.yaml` lists the {len(stems)} recipe(s)), or "
+                 f"add {RECIPES_DIR}/{key}.yaml")
 
 
 def _series_findings(entry: ChangelogEntry, catalog: Catalog) -> list[Finding]:

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Protocol
 
-from m3patch.changelog.refs import PATCHES_DIR, RECIPE_SUFFIXES, RECIPES_DIR, Catalog
+from m3patch.changelog.refs import PATCHES_DIR, RECIPES_DIR, Catalog, is_recipe_path
 from m3patch.errors import M3PatchError, UsageError
 from m3patch.yamlio import load_yaml_text
 
@@ -79,7 +79,7 @@ class GitRefReader:
 
 
 def build_catalog(reader: TreeReader) -> Catalog:
-    recipes = tuple(p for p in reader.files(RECIPES_DIR) if p.endswith(RECIPE_SUFFIXES))
+    recipes = tuple(p for p in reader.files(RECIPES_DIR) if is_recipe_path(p))
     series: dict[str, tuple[str, ...]] = {}
     broken: dict[str, str] = {}
     for path in reader.files(PATCHES_DIR):

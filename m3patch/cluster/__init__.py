@@ -1,2 +1,2 @@
 """Multi-node sets: node plans, the run-folder rendezvous, the node runner, the set supervisor
-(local launcher), the Slurm job writer and the P/D proxy."""
+(local launcher), the Slurm job writer and the node network (addresses, interfaces)."""

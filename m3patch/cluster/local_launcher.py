@@ -6,7 +6,12 @@ rendezvous record, never the head's /health alone: the set is ready when the hea
 ready (the head checked every node's tree and readiness first). Any node's exit, gate failure or
 deadline tears the whole set down within TEARDOWN_S: SIGTERM to every node runner (each stops
 its server through the stop ladder), then SIGKILL to any server group a killed runner left
-behind (from the records' pgids), then the /dev/shm files the set's processes had mapped.
+behind (from the records' pgids, each proven this set's by rendezvous.owns_group), then the
+/dev/shm files the set's processes had mapped.
+
+The set's identity is a fresh nonce (or M3PATCH_SET_ID), handed to every node runner in its
+environment: the set reads only its own records, so an earlier run's `ready` or `exited` in a
+reused run folder, or another set's records, never make this set ready, fail it or get a kill.
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ class NodeProc:
 
 
 class LocalSet:
-    def __init__(self, recipe: Recipe, run_dir: Path, python: str | None) -> None:
+    def __init__(self, recipe: Recipe, run_dir: Path, python: str | None, set_id: str) -> None:
         self.recipe = recipe
         self.topo = require_topology(recipe)
         self.run_dir = run_dir
         self.python = python
+        self.set_id = set_id
         self.procs: list[NodeProc] = []
         self.started = time.monotonic()
 
@@ -60,12 +66,20 @@ class LocalSet:
                 "--rank", str(node.rank), "--run-dir", str(self.run_dir), "--quiet"]
         return argv + (["--python", self.python] if self.python else [])
 
+    def records(self) -> dict[NodeId, rv.NodeRecord]:
+        try:
+            return rv.read_records(self.run_dir, self.set_id, self.topo.nodes())
+        except ResultsInvalid:
+            return {}  # a record being written is read on the next poll
+
     def start(self) -> None:
+        rv.require_free(self.run_dir, self.set_id)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, rv.SET_ID_VAR: self.set_id}
         for node in self.topo.nodes():
             log = (self.run_dir / "logs" / f"{node.slug}.m3patch.log").open("wb")
             proc = start_group(self._argv(node), stdin=subprocess.DEVNULL, stdout=log,
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT, env=env)
             self.procs.append(NodeProc(node, proc, log))
             info(f"set: started node {node} (pid {proc.pid}; log {log.name})")
 
@@ -73,8 +87,8 @@ class LocalSet:
         out = []
         for np_ in self.procs:
             out += group_members(np_.proc.pid)
-        for record in _records_or_empty(self.run_dir).values():
-            if record.pgid is not None:
+        for record in self.records().values():
+            if record.pgid is not None and rv.owns_group(record.pgid, self.set_id):
                 out += group_members(record.pgid)
         return out
 
@@ -83,7 +97,7 @@ class LocalSet:
         head = self.topo.head
         while True:
             self.raise_if_node_ended()
-            record = _records_or_empty(self.run_dir).get(head)
+            record = self.records().get(head)
             if record is not None and record.state == "ready":
                 return time.monotonic() - self.started
             if time.monotonic() > deadline:
@@ -96,7 +110,7 @@ class LocalSet:
             code = np_.proc.poll()
             if code is None:
                 continue
-            record = _records_or_empty(self.run_dir).get(np_.node)
+            record = self.records().get(np_.node)
             reason = record.reason if record is not None and record.reason else "no record"
             log = self.run_dir / "logs" / f"{np_.node.slug}.m3patch.log"
             fix = f"m3patch serve {self.recipe.path}"
@@ -116,27 +130,20 @@ class LocalSet:
     def teardown(self) -> float:
         """Every node down within TEARDOWN_S; returns the seconds it took."""
         start = time.monotonic()
-        records = _records_or_empty(self.run_dir)
+        records = self.records()
         threads = [threading.Thread(target=stop_group, args=(np_.proc, RUNNER_LADDER), daemon=True)
                    for np_ in self.procs]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=max(0.0, TEARDOWN_S - (time.monotonic() - start)))
-        records = {**records, **_records_or_empty(self.run_dir)}
+        records = {**records, **self.records()}
         for record in records.values():
-            if record.pgid is not None and group_members(record.pgid):
+            if record.pgid is not None and rv.owns_group(record.pgid, self.set_id):
                 _kill_group(record.pgid)
         for np_ in self.procs:
             np_.log.close()
         return time.monotonic() - start
-
-
-def _records_or_empty(run_dir: Path) -> dict[NodeId, rv.NodeRecord]:
-    try:
-        return rv.read_records(run_dir)
-    except ResultsInvalid:
-        return {}  # a record being written is read on the next poll
 
 
 def _kill_group(pgid: int) -> None:
@@ -148,16 +155,17 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_set(recipe: Recipe, run_dir: Path, python: str | None, hold_s: float | None,
-            stop_after_ready: bool) -> int:
+            stop_after_ready: bool, set_id: str | None = None) -> int:
     """Launch every node here, wait for the set, hold, and always tear the whole set down."""
-    local = LocalSet(recipe, run_dir, python)
+    local = LocalSet(recipe, run_dir, python, set_id or rv.fresh_set_id())
     with ShmTracker(local.pids) as shm:
         try:
             local.start()
             ready_s = local.wait_ready()
             head = local.topo.head
-            info(f"set ready in {ready_s:.1f} s: {len(local.procs)} node(s), head {head}; "
-                 f"rendezvous {rv.nodes_dir(run_dir)}")
+            address = local.records()[head].address
+            info(f"set ready in {ready_s:.1f} s: {len(local.procs)} node(s), head {head} at "
+                 f"{address}; rendezvous {rv.nodes_dir(run_dir, local.set_id)}")
             if not stop_after_ready:
                 local.hold(hold_s)
         finally:

@@ -6,23 +6,28 @@ role's `vllm-args`, `env` and the DP flags the topology computes, gated by:
   API server, so it never prints it; its tree is proven through the rendezvous instead (series
   id + ledger digest published by the `serve --role/--rank` that verified it);
 - the role's markers, with per-worker counts scaled to the node (local DP x TP).
-The proxy node runs `python -m m3patch.cluster.proxy` with m3patch's own interpreter.
+Every node binds and advertises its own address (`NodeNetwork`, resolved on the node by
+m3patch.cluster.network): `--host`, VLLM_HOST_IP, the Gloo/NCCL interface and the recipe's
+per-node `@{...}` values; a render (`recipe show`) prints placeholders instead.
+The proxy node runs vLLM's own P/D router (`vllm-router --vllm-pd-disaggregation`), its
+backends at the addresses the prefill and decode nodes published.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from m3patch.cluster.network import SHOWN, NodeNetwork, node_env
 from m3patch.errors import UsageError
 from m3patch.markers import MarkerSpec
 from m3patch.recipe.loader import Recipe
-from m3patch.recipe.topology import NodeId, Role, Topology, node_markers
+from m3patch.recipe.paths import expand
+from m3patch.recipe.topology import ROUTER_CONNECTORS, NodeId, Role, Topology, node_markers
 from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
 
-PROXY_MODULE = "m3patch.cluster.proxy"
+ROUTER_LOG_LEVEL = "info"
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,11 @@ def node_port(recipe: Recipe, topo: Topology, node: NodeId) -> int:
     return role.port + node.rank
 
 
-def node_urls(recipe: Recipe, topo: Topology, kind: str) -> tuple[str, ...]:
-    return tuple(f"http://{recipe.host}:{node_port(recipe, topo, NodeId(r.name, k))}"
-                 for r in topo.roles if r.kind == kind for k in range(r.nodes))
+def shown_backends(recipe: Recipe, topo: Topology) -> dict[str, tuple[str, ...]]:
+    """The proxy's backends as a render shows them: each node's address is its own."""
+    return {kind: tuple(f"http://<{r.name}/{k}-address>:{node_port(recipe, topo, NodeId(r.name, k))}"
+                        for r in topo.roles if r.kind == kind for k in range(r.nodes))
+            for kind in ("prefill", "decode")}
 
 
 def _without_provenance(markers: tuple[MarkerSpec, ...]) -> tuple[MarkerSpec, ...]:
@@ -80,37 +87,61 @@ def _without_provenance(markers: tuple[MarkerSpec, ...]) -> tuple[MarkerSpec, ..
         m.text.startswith(PROVENANCE_PREFIX) or m.id == "provenance-ledger")))
 
 
+def _with_host(argv: tuple[str, ...], host: str) -> tuple[str, ...]:
+    out = list(argv)
+    out[out.index("--host") + 1] = host
+    return tuple(out)
+
+
 def plan_node(recipe: Recipe, node: NodeId, python: str, log_path: Path,
-              ledger_sha256: str | None) -> NodePlan:
+              ledger_sha256: str | None, net: NodeNetwork = SHOWN,
+              backends: dict[str, tuple[str, ...]] | None = None) -> NodePlan:
     topo = require_topology(recipe)
     role = topo.role(node.role)
     port = node_port(recipe, topo, node)
+    netenv = node_env(net, node.role, node.rank, (*recipe.env, *role.env), topo.network.env)
     if role.kind == "proxy":
-        return NodePlan(node, role, _proxy_plan(recipe, topo, port, log_path), True)
+        urls = backends if backends is not None else shown_backends(recipe, topo)
+        return NodePlan(node, role, _proxy_plan(recipe, port, log_path, net, netenv, urls), True)
     base = plan_launch(recipe, python, port, log_path, ledger_sha256)
-    dp = topo.dp_args(node) if role.kind in ("dp-head", "dp-headless") else ()
-    argv = (*base.spec.argv, *role.vllm_args, *dp)
-    overrides = (*base.env_overrides, *role.env)
-    env = {**base.spec.env, **dict(role.env)}
+    dp = topo.dp_args(node, net.head_address) if role.kind in ("dp-head", "dp-headless") else ()
+    # vllm-router first asks every prefill and decode instance to render the request
+    # (/v1/completions/render), which vLLM serves only with --enable-scale-out: without it the
+    # render is refused (403) and ExampleConnector keyed every prompt's KV alike (found here).
+    pd = ("--enable-scale-out",) if role.kind in ("prefill", "decode") else ()
+    argv = (*_with_host(base.spec.argv, net.address), *role.vllm_args, *dp, *pd)
+    overrides = tuple({**dict(base.env_overrides), **netenv}.items())
+    env = {**base.spec.env, **netenv}
     markers = base.markers if role.serves_http else _without_provenance(base.markers)
     markers = (*markers, *node_markers(role, recipe.parallelism.tp))
     fix = f"m3patch serve {recipe.path} --role {node.role} --rank {node.rank}"
-    spec = replace(base.spec, argv=argv, env=env, fix_hint=fix)
+    spec = replace(base.spec, argv=argv, env=env, fix_hint=fix,
+                   base_url=f"http://{net.address}:{port}")
     plan = LaunchPlan(spec, overrides, markers, base.marker_hint.replace(
         f"m3patch serve {recipe.path}", fix))
     return NodePlan(node, role, plan, role.serves_http)
 
 
-def _proxy_plan(recipe: Recipe, topo: Topology, port: int, log_path: Path) -> LaunchPlan:
+def _proxy_plan(recipe: Recipe, port: int, log_path: Path, net: NodeNetwork,
+                netenv: dict[str, str], backends: dict[str, tuple[str, ...]]) -> LaunchPlan:
     from m3patch.serving.supervisor import LaunchSpec
 
-    argv = (sys.executable, "-m", PROXY_MODULE, "--host", recipe.host, "--port", str(port),
-            *(x for url in node_urls(recipe, topo, "prefill") for x in ("--prefill", url)),
-            *(x for url in node_urls(recipe, topo, "decode") for x in ("--decode", url)))
+    topo = require_topology(recipe)
     role = next(r for r in topo.roles if r.kind == "proxy")
-    overrides = (*LOOPBACK_ENV, *role.env)
+    connectors = {r.connector for r in topo.roles if r.connector in ROUTER_CONNECTORS}
+    kv = [x for name in sorted(c for c in connectors if c) for x in
+          ("--kv-connector", ROUTER_CONNECTORS[name])]
+    argv = (expand(role.router), "--host", net.address, "--port", str(port),
+            "--vllm-pd-disaggregation",
+            *(x for url in backends["prefill"] for x in ("--prefill", url)),
+            *(x for url in backends["decode"] for x in ("--decode", url)), *kv,
+            # the router waits for its workers as long as the set may take to be ready
+            "--worker-startup-timeout-secs", str(int(recipe.deadlines.ready_s)),
+            "--request-timeout-secs", str(int(recipe.deadlines.request_s)),
+            "--log-level", ROUTER_LOG_LEVEL)
+    overrides = tuple({**dict(LOOPBACK_ENV), **netenv}.items())
     spec = LaunchSpec(argv=argv, env={**os.environ, **dict(overrides)}, log_path=log_path,
-                      base_url=f"http://{recipe.host}:{port}", served_model=recipe.model.served_name,
+                      base_url=f"http://{net.address}:{port}", served_model=recipe.model.served_name,
                       ready_deadline_s=recipe.deadlines.ready_s,
                       request_deadline_s=recipe.deadlines.request_s,
                       fix_hint=f"m3patch serve {recipe.path} --role {role.name} --rank 0")

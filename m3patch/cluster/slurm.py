@@ -1,17 +1,29 @@
-"""The Slurm launcher: an sbatch job for a topology recipe, and the sweep as an array job (pure).
+"""The Slurm launcher: an sbatch job for a topology recipe (pure).
 
 `sbatch_script` writes one job of N nodes, one task per node (`srun --kill-on-bad-exit=1`, so
 any task's exit ends every task: the set supervisor's rule, enforced by Slurm), each task running
 `m3patch serve RECIPE --role R --rank K --run-dir RUN` for the node its SLURM_PROCID maps to,
-with its own log (`RUN/logs/task-%t.out`). The head's address is the first node of the
-allocation. A site hook (`M3PATCH_SITE_HOOK`, sourced if set) wraps the container runtime:
-it may define `m3patch_exec` (e.g. `srun --container-image=...` pyxis arguments or
-`apptainer exec`). The sweep runs from the batch step once the head's record says ready.
-`sweep_array_script` fans the sweep out as one array task per cell against a running set.
+with its own log (`RUN/logs/task-%t.out`). What a GPU cluster needs is in the job as written:
+- resources from the recipe: GPUs per node (local DP x TP of the largest vLLM role, on a GPU
+  platform), `--exclusive` there, and the whole node's CPUs for the one task per node (unless
+  the caller gives CPUs per task);
+- `--time` from the recipe's deadlines (ready + run + the stop), not a fixed guess;
+- the set identity: the job id (and restart count), exported to every task;
+- srun is the batch step's own background job (`$!` is srun's pid), so the SIGTERM that ends the
+  sweep reaches srun, which forwards it to every task;
+- the site hook (`M3PATCH_SITE_HOOK`, sourced in the batch step and in every task): it may set
+  `M3PATCH_SRUN_ARGS` (e.g. pyxis' `--container-image=...`) and define `m3patch_exec` to wrap a
+  command in the site's container runtime (e.g. `apptainer exec IMG`). The node commands and the
+  sweep both run through `m3patch_exec`;
+- the head's address: M3PATCH_HEAD_ADDR when the site exports it, else the head node's NodeAddr
+  (what Slurm itself reaches it at), which the head resolves on itself (and refuses when it is
+  not one of its own addresses); the sweep reaches the head at the IP the head published.
+The job's output folder (`RUN/logs`) must exist before sbatch: `serve --write-sbatch` creates it.
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -19,6 +31,7 @@ from m3patch.cluster.node_plan import require_topology
 from m3patch.recipe.loader import Recipe
 
 SITE_HOOK_VAR = "M3PATCH_SITE_HOOK"
+STOP_MARGIN_S = 600.0  # the stop ladder of every node, the sweep's aggregation, Slurm's KillWait
 
 
 def task_table(recipe: Recipe) -> list[tuple[str, int]]:
@@ -26,83 +39,100 @@ def task_table(recipe: Recipe) -> list[tuple[str, int]]:
     return [(n.role, n.rank) for n in require_topology(recipe).nodes()]
 
 
+def gpus_per_node(recipe: Recipe) -> int:
+    """The GPUs the largest vLLM node uses (local DP x TP); 0 on the CPU platform."""
+    if recipe.target.platform == "cpu":
+        return 0
+    topo = require_topology(recipe)
+    return max(r.local_dp * recipe.parallelism.tp for r in topo.roles if r.runs_vllm)
+
+
+def time_limit(recipe: Recipe) -> str:
+    """ready + run + stop, whole minutes, as Slurm's H:MM:SS."""
+    total = math.ceil((recipe.deadlines.ready_s + recipe.deadlines.run_s + STOP_MARGIN_S) / 60)
+    return f"{total // 60}:{total % 60:02d}:00"
+
+
+def _resources(recipe: Recipe, cpus_per_task: int | None, partition: str | None) -> str:
+    gpus = gpus_per_node(recipe)
+    lines = [f"#SBATCH --time={time_limit(recipe)}"]
+    if gpus:
+        lines += [f"#SBATCH --gpus-per-node={gpus}", "#SBATCH --exclusive"]
+    if cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    return "\n".join(lines)
+
+
 def sbatch_script(recipe: Recipe, run_dir: Path, *, partition: str | None = None,
-                  time_limit: str = "02:00:00", sweep: bool = True) -> str:
+                  cpus_per_task: int | None = None, sweep: bool = True) -> str:
     topo = require_topology(recipe)
     table = task_table(recipe)
     head = topo.head
     roles = " ".join(f"{role}:{rank}" for role, rank in table)
     recipe_arg, run_arg = shlex.quote(str(recipe.path)), shlex.quote(str(run_dir))
-    part = f"#SBATCH --partition={partition}\n" if partition else ""
+    # Without a number, the one task of a node gets every CPU of it (Slurm's default is one).
+    cpus = str(cpus_per_task) if cpus_per_task else "$SLURM_CPUS_ON_NODE"
     return f"""#!/bin/bash
 #SBATCH --job-name=m3patch-{recipe.name}
 #SBATCH --nodes={len(table)}
 #SBATCH --ntasks-per-node=1
-#SBATCH --time={time_limit}
 #SBATCH --output={run_dir}/logs/batch-%j.out
-{part}# Written by m3patch for recipe {recipe.path}: one task per node of its topology.
+{_resources(recipe, cpus_per_task, partition)}
+# Written by m3patch for recipe {recipe.path}: one task per node of its topology.
 set -euo pipefail
 RUN={run_arg}
 RECIPE={recipe_arg}
 mkdir -p "$RUN/logs"
-# Site hook: define m3patch_exec to wrap the container runtime (pyxis, apptainer, ...).
+M3PATCH_CMD="${{M3PATCH_CMD:-m3patch}}"   # e.g. "python -m m3patch" in a checkout
+# One set per job run: a requeued job is a new set, and no record of an earlier run counts.
+M3PATCH_SET_ID="${{M3PATCH_SET_ID:-slurm-$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}}}"
+# The head runs as the last task, on the last host of the allocation (block distribution).
+HEAD_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n {len(table)}p)
+# The head's address: the site's, else the NodeAddr Slurm itself reaches that node at (the node
+# name may not resolve, or resolve to another interface); the head resolves it on itself.
+HEAD_NODEADDR=$(scontrol show node "$HEAD_HOST" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+M3PATCH_HEAD_ADDR="${{M3PATCH_HEAD_ADDR:-${{HEAD_NODEADDR:-$HEAD_HOST}}}}"
+M3PATCH_SRUN_ARGS="${{M3PATCH_SRUN_ARGS:-}}"
+export RUN RECIPE M3PATCH_CMD M3PATCH_SET_ID M3PATCH_HEAD_ADDR
+# Site hook: may set M3PATCH_SRUN_ARGS (pyxis) and define m3patch_exec (apptainer, ...).
 m3patch_exec() {{ "$@"; }}
 if [ -n "${{{SITE_HOOK_VAR}:-}}" ]; then source "${{{SITE_HOOK_VAR}}}"; fi
-# The DP head runs as the last task, on the last host of the allocation (block distribution).
-HEAD_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n {len(table)}p)
-export M3PATCH_HEAD_ADDR="${{M3PATCH_HEAD_ADDR:-$HEAD_HOST}}"
 # SLURM_PROCID -> role:rank ({roles}); the head ({head}) is the last task.
 cat > "$RUN/tasks.sh" <<'TASKS'
 #!/bin/bash
 set -euo pipefail
 roles=({roles})
 pair=${{roles[$SLURM_PROCID]}}
-exec $M3PATCH_CMD serve "$RECIPE" --role "${{pair%%:*}}" --rank "${{pair##*:}}" --run-dir "$RUN" --quiet
+m3patch_exec() {{ exec "$@"; }}
+if [ -n "${{{SITE_HOOK_VAR}:-}}" ]; then source "${{{SITE_HOOK_VAR}}}"; fi
+m3patch_exec $M3PATCH_CMD serve "$RECIPE" --role "${{pair%%:*}}" --rank "${{pair##*:}}" --run-dir "$RUN" --quiet
 TASKS
 chmod +x "$RUN/tasks.sh"
-M3PATCH_CMD="${{M3PATCH_CMD:-m3patch}}"   # e.g. "python -m m3patch" in a checkout
-export RUN RECIPE M3PATCH_CMD
-# --kill-on-bad-exit: one task's failure ends every task (no orphaned headless node).
-m3patch_exec srun --kill-on-bad-exit=1 --ntasks={len(table)} --ntasks-per-node=1 \\
-  --output="$RUN/logs/task-%t.out" "$RUN/tasks.sh" &
+# --kill-on-bad-exit: one task's failure ends every task (no orphaned headless node). srun is
+# this step's own job, so $! is srun's pid and a SIGTERM to it reaches every task.
+# shellcheck disable=SC2086
+srun $M3PATCH_SRUN_ARGS --kill-on-bad-exit=1 --ntasks={len(table)} --ntasks-per-node=1 \\
+  --cpus-per-task={cpus} --output="$RUN/logs/task-%t.out" "$RUN/tasks.sh" &
 SET=$!
 {_sweep(head.slug, recipe.port) if sweep else 'wait "$SET"'}
 """
 
 
 def _sweep(head_slug: str, port: int) -> str:
-    return f"""# The sweep runs from the batch step once the head's rendezvous record says ready.
-until grep -q '"state": "ready"' "$RUN/nodes/{head_slug}.json" 2>/dev/null; do
+    return f"""# The sweep runs from the batch step once the head's record (this set's) says ready, against
+# the IP the head published, inside the site's wrapper.
+HEAD_RECORD="$RUN/nodes/$M3PATCH_SET_ID/{head_slug}.json"
+until grep -q '"state": "ready"' "$HEAD_RECORD" 2>/dev/null; do
   kill -0 "$SET" 2>/dev/null || {{ wait "$SET"; exit $?; }}
   sleep 5
 done
-$M3PATCH_CMD bench "$RECIPE" --url "http://$M3PATCH_HEAD_ADDR:{port}" --run-dir "$RUN/bench"
+HEAD_IP=$(sed -n 's/.*"address": "\\([^"]*\\)".*/\\1/p' "$HEAD_RECORD")
+status=0
+m3patch_exec $M3PATCH_CMD bench "$RECIPE" --url "http://$HEAD_IP:{port}" --run-dir "$RUN/bench" || status=$?
 # SIGTERM: srun forwards it to every task, whose runner stops its server through the stop ladder
 # (srun's manual: a single SIGINT only makes it print the tasks' states).
-kill -TERM "$SET"; wait "$SET" || true"""
-
-
-def sweep_array_script(recipe: Recipe, run_dir: Path, cell_ids: list[str], url: str) -> str:
-    """One array task per sweep cell against a running set (`m3patch bench --only CELL`), every
-    task writing its cell file into the same run folder.
-
-    The tasks run one at a time (`%1`): cells sharing one set would load it together and skew
-    each other's numbers. A task's aggregate.json covers only its own cell (bench aggregates its
-    plan's cells), so the last task then aggregates the whole sweep (`bench --resume` without
-    --only: finished cells are kept, a missing one is measured), as a local run's."""
-    ids = " ".join(shlex.quote(c) for c in cell_ids)
-    last = len(cell_ids) - 1
-    bench = (f"${{M3PATCH_CMD:-m3patch}} bench {shlex.quote(str(recipe.path))} --url "
-             f"{shlex.quote(url)} --run-dir {shlex.quote(str(run_dir))}/bench --resume")
-    return f"""#!/bin/bash
-#SBATCH --job-name=m3patch-{recipe.name}-sweep
-#SBATCH --array=0-{last}%1
-#SBATCH --ntasks=1
-#SBATCH --output={run_dir}/logs/cell-%a.out
-set -euo pipefail
-cells=({ids})
-{bench} --only "${{cells[$SLURM_ARRAY_TASK_ID]}}"
-if [ "$SLURM_ARRAY_TASK_ID" -eq {last} ]; then
-  {bench}
-fi
+kill -TERM "$SET"; wait "$SET" || true
+exit "$status"
 """

@@ -19,6 +19,7 @@ from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import load_aggregate
 from m3patch.bench.plots import PlotRun, draw, run_title
 from m3patch.bench.results import write_result
+from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
 from m3patch.errors import Interrupted, UsageError
 from m3patch.eval import compare as eval_compare
 from m3patch.output import info, stdout_console, table
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from m3patch.run.steps import RunOutcome
 
 COMPARE = "compare"
-STDOUT = "-"  # `--json` without a FILE
 METRICS = tuple(cmp.METRIC_LABELS)
 
 
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep cells that already have a valid, complete result file")
     sweep.add_argument("--only", action="append", metavar="CELL_ID", default=[],
                        help="run only this cell (repeatable; ids as in `m3patch matrix`)")
-    sweep.add_argument("--python", help="interpreter whose vLLM serves (default: the recipe's)")
+    add_python_flag(sweep, what="interpreter whose vLLM serves (default: the recipe's "
+                                "target.python, else this one)")
     sweep.add_argument("--port", type=int, help="server port (default: the recipe's)")
     sweep.add_argument("--url", metavar="BASE_URL",
                        help="sweep a server that is already running; m3patch neither starts nor "
@@ -60,10 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "<stat>_<ttft|tpot|itl|e2el> in seconds, <stat> one of mean, median, "
                            "std, p90, p99, p99.9 (default: tput_per_gpu, total tok/s/GPU)")
     comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
-    parser.add_argument("--json", nargs="?", const=STDOUT, metavar="FILE",
-                        help="the report as one JSON object (docs/json-schema.md): on stdout, "
-                             "or with FILE into that file (compare: the comparison); put it "
-                             "after the recipe")
+    add_json_flags(parser, report="the report (compare: the comparison)", file_alias=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,16 +77,16 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (CI cancelling the job) must unwind like Ctrl-C: the `with` blocks then stop the
     # client's and the server's process groups instead of orphaning them.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    fields = report_json.start("bench") if args.json == STDOUT else report_json.envelope("bench")
+    fields = report_json.start("bench") if json_stdout(args) else report_json.envelope("bench")
     spec = run_spec(recipe_path(args.what[0]), args)
     with RunPipeline(spec) as pipeline:
         outcome = run_steps(pipeline.steps(), lambda _result: None)
     report_run(fields, pipeline, outcome, spec.recipe_path)
-    if args.json not in (None, STDOUT):
+    if json_file(args) is not None:
         report = {**fields, "exit_code": outcome.exit_code, "ok": outcome.exit_code == 0}
-        write_result(Path(args.json), report)
+        write_result(Path(str(json_file(args))), report)
     code = finish(outcome)
-    if args.json == STDOUT:
+    if json_stdout(args):
         report_json.finish(fields)
     return code
 
@@ -114,20 +112,27 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
-def _accuracy(base: Path, new: Path) -> dict[str, object]:
-    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+def _scores(base: Path, new: Path) -> tuple[eval_compare.Scores, eval_compare.Scores] | None:
+    """Each run's eval/eval.json scores, None when neither run recorded an eval."""
     paths = eval_compare.record_path(base), eval_compare.record_path(new)
     if paths == (None, None):
-        return {}
+        return None
     base_s, new_s = (eval_compare.read_scores(p) if p else {} for p in paths)
+    return base_s, new_s
+
+
+def _accuracy(scores: tuple[eval_compare.Scores, eval_compare.Scores] | None) -> dict[str, object]:
+    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+    if scores is None:
+        return {}
     table("accuracy (eval/eval.json): base -> new", ["Task", "Metric", "Base", "New", "Change"],
-          eval_compare.compare_rows(base_s, new_s))
-    return {"accuracy": eval_compare.to_json(base_s, new_s)}
+          eval_compare.compare_rows(*scores))
+    return {"accuracy": eval_compare.to_json(*scores)}
 
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
-    fields = report_json.start("bench") if args.json == STDOUT else None
+    fields = report_json.start("bench") if json_stdout(args) else None
     base_agg, new_agg = load_aggregate(base), load_aggregate(new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
     if fields is not None:  # stdout is the object's alone: no tables
@@ -137,17 +142,21 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
         report_json.finish(fields)
         return 0
     label = cmp.METRIC_LABELS[args.metric]
-    table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}",
-          ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"],
-          cmp.table_rows(result))
+    scores = _scores(base, new)
+    headers, rows = ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"], cmp.table_rows(result)
+    if scores is not None:  # one run's accuracy holds for every cell: its change on each row
+        headers, change = [*headers, "Accuracy"], eval_compare.change_cell(*scores)
+        rows = [[*row, change] for row in rows]
+    table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}", headers, rows)
     if result.unmatched:
         table("not compared", ["Reason", "Concurrency", "Cells"],
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
     stdout_console().print(cmp.summary(result), markup=False, highlight=False)
-    accuracy = _accuracy(base, new)
-    if args.json:
-        write_result(Path(args.json), {**cmp.to_json(result), **accuracy})
-        info(f"comparison written to {args.json}")
+    accuracy = _accuracy(scores)
+    target = json_file(args)
+    if target is not None:
+        write_result(target, {**cmp.to_json(result), **accuracy})
+        info(f"comparison written to {target}")
     _plots(base_agg, new_agg, args)
     return 0
 

@@ -1,6 +1,7 @@
 """`m3patch changelog check`: validate perf-changelog.yaml, append-only against a base ref.
 
     m3patch changelog check [--base REF] [--head REF] [--pr N] [--file PATH] [--repo OWNER/NAME]
+                            [--json | --json-file FILE]
 
 Without --head the work-tree file is checked; refs are read with `git show REF:path`. Without
 --base only the schema, layout and references are checked (every entry counts as new). PR links
@@ -13,7 +14,9 @@ GITHUB_ACTIONS=true each problem is one `::error file=,line=` annotation (none r
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 from m3patch.changelog import CheckInput, check, raise_for_errors
@@ -26,6 +29,7 @@ from m3patch.changelog.sources import (
     resolve_repo,
     verify_ref,
 )
+from m3patch.commands.flags import add_json_flags, json_file, json_stdout
 from m3patch.errors import UsageError
 from m3patch.fsio import write_json_atomic
 from m3patch.output import info
@@ -42,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--file", type=Path, help=f"the changelog (default: <repo>/{DEFAULT_FILE})")
     check.add_argument("--repo", metavar="OWNER/NAME", help="GitHub repository of PR links (default: $GITHUB_REPOSITORY,"
                        " else the github.com upstream remote, else origin, else m3patch/m3patch)")
-    check.add_argument("--json", type=Path, dest="json_path", metavar="FILE",
-                       help="write the report (findings, new entries, new_recipes) here")
+    add_json_flags(check, report="the report (findings, new entries, new_recipes)",
+                   file_alias=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,12 +65,16 @@ def run(args: argparse.Namespace) -> int:
         base_label=args.base or "the base", repo=resolve_repo(args.repo, root), pr=args.pr,
     )
     report = check(inp, build_catalog(reader))
-    if args.json_path is not None:
-        _write_json(args.json_path, report.to_json())
+    target = json_file(args)
+    if target is not None:
+        _write_json(target, report.to_json())
+    if json_stdout(args):  # stdout is the object's alone
+        print(json.dumps(report.to_json(), indent=2), flush=True)
     annotate = os.environ.get("GITHUB_ACTIONS") == "true"
-    if annotate:  # one annotation per problem, pinned to its line
+    if annotate:  # one annotation per problem, pinned to its line (stderr when stdout is JSON)
         for finding in errors_of(report.findings):
-            print(github_annotation(finding, rel), flush=True)
+            print(github_annotation(finding, rel), flush=True,
+                  file=sys.stderr if json_stdout(args) else sys.stdout)
     raise_for_errors(report.findings, rel, annotated=annotate)
     for finding in report.findings:
         info(f"{rel}: {finding.message}")

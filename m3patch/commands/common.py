@@ -10,22 +10,23 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import Interrupted
 from m3patch.patching.locate import VllmTree, find_vllm
-from m3patch.patching.series import Series, find_series_dir, load_series
+from m3patch.patching.series import Series, find_series_dir, load_series, series_path
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--python", metavar="PATH",
-                        help="interpreter whose vllm to patch (default: this one)")
+    add_python_flag(parser, what="interpreter whose vllm to patch (default: this one)")
     parser.add_argument("--vllm-root", metavar="DIR",
                         help="tree root containing vllm/ (or the vllm dir); env M3PATCH_VLLM_ROOT")
 
 
 def add_series_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--series", metavar="DIR", type=Path,
-                        help="series folder with series.yaml (default: $M3PATCH_SERIES, "
-                             "else patches/vllm-<installed version>)")
+    parser.add_argument("--series", metavar="NAME|DIR", type=series_path,
+                        help="a series name as `series list` prints it (vllm-0.33.0) or a folder "
+                             "with series.yaml (default: $M3PATCH_SERIES, else the series for "
+                             "the installed vLLM version)")
 
 
 def tree_from(args: argparse.Namespace) -> VllmTree:

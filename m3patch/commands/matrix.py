@@ -20,7 +20,10 @@ from m3patch.recipe.names import recipe_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipes", nargs="+", type=recipe_path, metavar="RECIPE")
+    parser.add_argument("recipes", nargs="+", metavar="RECIPE",
+                        help="recipe files or shipped recipe names; the matrix names each as "
+                             "given (a name stays a name, a relative path relative), so it "
+                             "works on the machine that runs the jobs")
     parser.add_argument("--per", choices=("cell", "group", "recipe"), default="cell",
                         help="one job per sweep cell (default, InferenceX's shape), per server "
                              "group (cells that share a server: `only` lists them), or per recipe")
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
     # from, and names the recipe in a sweep error.
-    recipes = [matrix_recipe(load_recipe(path), str(path)) for path in args.recipes]
+    recipes = [matrix_recipe(load_recipe(recipe_path(text)), text) for text in args.recipes]
     matrix = build_matrix(recipes, per=args.per, evals=args.evals)
     sys.stdout.write(json.dumps(matrix, indent=args.indent) + "\n")
     return 0

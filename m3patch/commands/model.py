@@ -18,11 +18,14 @@ import argparse
 import os
 from pathlib import Path
 
+from m3patch.bench.agentic.preflight import fetch_trace, require_trace, trace_missing
 from m3patch.eval import datasets
 from m3patch.output import info, table
 from m3patch.recipe import model_files
+from m3patch.recipe.agentic import AgenticScenario
 from m3patch.recipe.evals import EvalSpec
 from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.names import recipe_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, text in (("check", "is the recipe's model on disk (local folder or HF cache)?"),
                        ("fetch", "download the recipe's model, draft and tokenizer (huggingface_hub)")):
         action = sub.add_parser(name, help=text)
-        action.add_argument("recipe", type=Path, metavar="RECIPE", help="recipe YAML")
+        action.add_argument("recipe", type=recipe_path, metavar="RECIPE",
+                            help="recipe YAML or a shipped recipe's name (e.g. mi300x_tp8)")
 
 
 def run(args: argparse.Namespace) -> int:
-
     recipe = load_recipe(args.recipe)
     env = model_files.launch_env(recipe)
     cache = model_files.hub_cache(recipe, env)
@@ -46,14 +49,35 @@ def run(args: argparse.Namespace) -> int:
           [[p.need.role, p.need.source, p.need.revision or ("-" if p.need.is_local else "main"),
             "present" if p.present else "MISSING", p.folder if p.present else p.problem]
            for p in found])
+    if recipe.eval is not None:  # listed whether or not the model is there: one look, all parts
+        _eval_datasets(recipe.eval, recipe.path, fetch=args.action == "fetch")
     model_files.require_present(recipe, env)
     info(f"{recipe.path}: model files present; the offline launch can load them")
     if recipe.eval is not None:
-        _eval_datasets(recipe.eval, recipe.path, fetch=args.action == "fetch")
+        datasets.require_cached(recipe.eval, recipe.path)
+        hub = sum(t.dataset is not None for t in recipe.eval.tasks)
+        info(f"{recipe.path}: eval datasets present ({hub} from the hub, "
+             f"{len(recipe.eval.tasks) - hub} local); the offline eval can load them")
+    if recipe.sweep.agentic is not None:
+        _trace(recipe.sweep.agentic, recipe.path, fetch=args.action == "fetch")
     return 0
 
 
+def _trace(scenario: AgenticScenario, path: Path, *, fetch: bool) -> None:
+    """The agentic scenario's trace: a hub dataset fetched (AIPerf's interpreter) and checked
+    like an eval dataset; a local file checked; a synthesized one needs nothing."""
+    trace = scenario.trace
+    if fetch and trace.kind == "public-dataset" and trace_missing(trace) is not None:
+        info(f"trace dataset fetched: {fetch_trace(trace, scenario.client_python)}")
+    problem = trace_missing(trace)
+    table("agentic trace", ["source", "state"],
+          [[trace.dataset or str(trace.path or trace.label), problem or "present"]])
+    require_trace(trace, path)
+    info(f"{path}: agentic trace {trace.label} present; the offline replay can load it")
+
+
 def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:
+    """The eval's hub datasets and their state (fetched first with `fetch`)."""
     if fetch:
         for line in datasets.fetch(spec, path):
             info(f"eval dataset fetched: {line}")
@@ -62,6 +86,3 @@ def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:
     table(f"eval datasets (Hugging Face cache {cache})", ["task", "dataset", "state"],
           [[t.task, t.dataset, "present" if datasets.is_cached(t, cache) else "MISSING"]
            for t in hub])
-    datasets.require_cached(spec, path)
-    info(f"{path}: eval datasets present ({len(hub)} from the hub, "
-         f"{len(spec.tasks) - len(hub)} local); the offline eval can load them")

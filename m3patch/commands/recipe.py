@@ -9,20 +9,22 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from m3patch.bench.cells import AgenticCell, Cell
 from m3patch.bench.spec import recipe_cells
+from m3patch.cluster.network import IFNAME_VARS
 from m3patch.cluster.node_plan import plan_set
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.output import info, table
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
 from m3patch.serving.vllm_parser import check_launch
 
 if TYPE_CHECKING:
-    from m3patch.bench.cells import Cell
     from m3patch.markers import MarkerSpec
 
 
@@ -36,18 +38,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     show = sub.add_parser("show", help="the resolved argv, env and markers of a recipe")
     show.add_argument("file", type=recipe_path, metavar="FILE",
                       help="recipe file, or a shipped recipe's name (e.g. mi300x_tp8)")
-    show.add_argument("--python", help="the interpreter to launch with (default: the recipe's)")
+    add_python_flag(show, what="interpreter whose vLLM would serve (default: the recipe's "
+                               "target.python, else this one)")
 
 
 def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
-
+    """Every file checked; each invalid one named with why. What is fine is summarised once:
+    one line for the whole run, not one per recipe (the demo validates every shipped recipe)."""
     first_error: M3PatchError | None = None
+    valid = 0
+    unlinted: dict[str, list[Path]] = {}  # vLLM version -> recipes whose tree is not cached
     for path in files:
         try:
             recipe = load_recipe(path)
             all_markers(recipe, None)
-            if lint_markers:
-                _lint_markers(recipe)
+            if lint_markers and not _lint_markers(recipe):
+                unlinted.setdefault(recipe.target.vllm_version, []).append(path)
             # The launch check `serve --dry-run` and every preflight make, on every server form
             # the sweep starts, from the series' shipped spec (read-only: nothing is spawned).
             python = recipe.target.python or sys.executable
@@ -57,21 +63,31 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
             continue
-        info(f"{path}: ok")
+        valid += 1
+        if len(files) == 1:
+            info(f"{path}: ok")
+    if len(files) > 1:
+        info(f"recipe validate: {valid} of {len(files)} recipe(s) ok")
+    if unlinted:
+        count = sum(len(p) for p in unlinted.values())
+        versions = ", ".join(sorted(unlinted))
+        example = next(iter(unlinted.values()))[0]
+        info(f"markers not linted for {count} recipe(s): no cached pristine vLLM {versions} tree "
+             f"(`m3patch markers lint --recipe {example}` fetches it; --no-lint-markers skips this)")
     return 0 if first_error is None else first_error.exit_code
 
 
-def _lint_markers(recipe: Recipe) -> None:
-    """Marker lint when the recipe's pristine tree is cached (validate never downloads one)."""
+def _lint_markers(recipe: Recipe) -> bool:
+    """Marker lint when the recipe's pristine tree is cached (validate never downloads one);
+    False when it is not cached (nothing linted)."""
     result = lint_all(None, None, [recipe], download=False)
     if not result.trees:
-        info(f"{recipe.path}: markers not linted (no cached vLLM {recipe.target.vllm_version} "
-             f"tree; `m3patch markers lint --recipe {recipe.path}` fetches it)")
-        return
+        return False
     for finding in result.findings:
         info(f"{recipe.path}: {finding.line()}")
     raise_on_errors(result.findings, hint=f"correct the marker text in {recipe.path}; check with "
                     f"`m3patch markers lint --recipe {recipe.path}`")
+    return True
 
 
 def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
@@ -91,26 +107,35 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
                                located=checked.tree if checked is not None else None)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
-    if recipe.topology is not None:
-        print("# a multi-node set: the single-server base below; each node's own command follows it")
     if checked is not None:
         print(f"# launch checked by {checked.checked_by}")
-    print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
-    print("  " + shlex.join(plan.spec.argv))
-    print("\n".join(marker_lines(plan.markers)))
+    if recipe.topology is not None:
+        print("# a multi-node set: each node's own command, env and gate follow the sweep")
+    else:
+        print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
+        print("  " + shlex.join(plan.spec.argv))
+        print("\n".join(marker_lines(plan.markers)))
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
-    table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
-          f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio {recipe.sweep.range_ratio} "
-          f"({recipe.sweep.length_convention}'s convention))",
-          ["isl", "osl", "concurrency"], sweep_rows(recipe_cells(recipe)))
-    groups = server_groups(recipe, recipe_cells(recipe))
+    cells = recipe_cells(recipe)
+    fixed = [cell for cell in cells if isinstance(cell, Cell)]
+    if fixed:
+        table(f"sweep (prompts {recipe.sweep.prompts_per_concurrency} x conc, warm-ups "
+              f"{recipe.sweep.warmups_per_concurrency} x conc, range ratio "
+              f"{recipe.sweep.range_ratio} ({recipe.sweep.length_convention}'s convention))",
+              ["isl", "osl", "concurrency"], sweep_rows(fixed))
+    agentic = [cell for cell in cells if isinstance(cell, AgenticCell)]
+    if agentic:
+        table(agentic_title(recipe), ["kv-offload", "concurrency", "cell"],
+              [[c.kv_offload.label, c.concurrency, c.cell_id] for c in agentic])
+    groups = server_groups(recipe, cells)
     if len(groups) > 1:
-        base = set(recipe.vllm_args)
-        table("server groups (one server started and gated per group)", ["group", "cells", "argv"],
-              [[g.index, " ".join(g.cell_ids), shlex.join(g.recipe.vllm_args)
-                if set(g.recipe.vllm_args) != base else "(the recipe's)"] for g in groups])
+        by_id = {cell.cell_id: cell for cell in cells}
+        table("server groups (one server started and gated per group)",
+              ["group", "cells (isl/osl: concurrencies)", "server differs from the recipe's by"],
+              [[g.index, group_cells([by_id[c] for c in g.cell_ids]),
+                argv_difference(recipe, g.recipe)] for g in groups])
     if recipe.topology is not None:
         print("\n".join(topology_lines(recipe, interpreter)))
 
@@ -119,8 +144,16 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
     """Every node of the set: its `serve --role/--rank` command, argv, env and gate."""
     assert recipe.topology is not None
     topo = recipe.topology
-    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous RUN/nodes/*.json"
-           + (f"; DP size {topo.dp_size}, address {topo.address}:{topo.rpc_port}" if topo.is_dp else "")]
+    net = topo.network
+    out = [f"topology: {len(topo.nodes())} node(s); head {topo.head}; rendezvous "
+           "RUN/nodes/<set-id>/*.json" + (f"; DP size {topo.dp_size}, RPC port {topo.rpc_port}"
+                                          if topo.is_dp else ""),
+           f"network: head address {topo.address!r} (topology.address), resolved to an IP on the "
+           "head at start; every other node takes that IP from the head's record",
+           f"network: node address {net.address!r} (auto: VLLM_HOST_IP if exported, else the "
+           f"source address of the route to the head); interface {net.interface!r} (auto: the "
+           f"one holding the node's address) -> {', '.join(IFNAME_VARS)}"]
+    out += [f"network: env {k}={shlex.quote(v)}" for k, v in net.env]
     for plan in plan_set(recipe, python, recipe.results_dir / "<run>"):
         role = plan.role
         workers = (f"local DP {role.local_dp}, {role.local_dp * recipe.parallelism.tp} worker(s) "
@@ -142,6 +175,50 @@ def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
         count = "any count" if m.count is None else f"count {m.count}"
         out += [f"  {m.kind:<9} {m.id} ({count}; declared by {m.declared_by})", f"    {m.text!r}"]
     return out
+
+
+def agentic_title(recipe: Recipe) -> str:
+    """The agentic scenario in one line: trace, stop condition, AIPerf scenario, DRAM budget."""
+    scenario = recipe.sweep.agentic
+    assert scenario is not None
+    stop = (f"{scenario.duration_s} s" if scenario.duration_s is not None
+            else f"{scenario.request_count} requests")
+    dram = scenario.dram_budget_gb(recipe.parallelism.tp)
+    return (f"agentic-coding sweep (AIPerf; trace {scenario.trace.label}; {stop} per cell"
+            + (f"; scenario {scenario.aiperf_scenario}" if scenario.aiperf_scenario else "")
+            + (f"; DRAM offload budget {dram} GB" if dram else "") + ")")
+
+
+def _options(argv: Iterable[str]) -> dict[str, str | None]:
+    """`--key value` / `--flag` tokens as a mapping (the form flatten_vllm_args writes)."""
+    out: dict[str, str | None] = {}
+    key = None
+    for token in argv:
+        if token.startswith("--"):
+            key = token
+            out[key] = None
+        elif key is not None:
+            out[key] = token if out[key] is None else f"{out[key]} {token}"
+    return out
+
+
+def argv_difference(recipe: Recipe, variant: Recipe) -> str:
+    """What a server group changes: options set or changed, options dropped, env set."""
+    base, mine = _options(recipe.vllm_args), _options(variant.vllm_args)
+    changed = [k if v is None else f"{k} {shlex.quote(v)}" for k, v in mine.items()
+               if k not in base or base[k] != v]
+    changed += [f"(no {k})" for k in base if k not in mine]
+    env = dict(recipe.env)
+    changed += [f"env {k}={shlex.quote(v)}" for k, v in variant.env if env.get(k) != v]
+    return " ".join(changed) or "nothing (the recipe's server)"
+
+
+def group_cells(cells: list[Cell | AgenticCell]) -> str:
+    """A server group's cells in a few words: isl/osl with their concurrencies, or agentic ids."""
+    fixed = [cell for cell in cells if isinstance(cell, Cell)]
+    parts = [f"{isl}/{osl}: c{concs}" for isl, osl, concs in sweep_rows(fixed)]
+    parts += [cell.cell_id for cell in cells if isinstance(cell, AgenticCell)]
+    return "; ".join(parts)
 
 
 def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:

@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from m3patch.commands.common import add_tree_options, prepare_process, say, series_dir, tree_from
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFound
 from m3patch.fsio import write_bytes_atomic
 from m3patch.marker_lint.check import lint_all
@@ -21,7 +22,7 @@ from m3patch.patching.ledger import digest
 from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
 from m3patch.patching.port_output import port_series
 from m3patch.patching.pristine import cache_root, pristine_tree
-from m3patch.patching.series import MANIFEST, Series, load_series
+from m3patch.patching.series import MANIFEST, Series, load_series, series_path
 from m3patch.patching.series_lock import CLI_SPEC, LOCK, lock_series, read_lock
 from m3patch.serving.cli_spec import parse_spec
 from m3patch.serving.vllm_parser import generate_spec
@@ -31,7 +32,7 @@ from m3patch.shipped import shipped_dir
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     lock = sub.add_parser("lock", help="compute series.lock.json from a pristine tree")
-    lock.add_argument("--series", metavar="DIR", type=Path, required=True)
+    lock.add_argument("--series", metavar="NAME|DIR", type=series_path, required=True)
     source = lock.add_mutually_exclusive_group(required=True)
     source.add_argument("--tree", metavar="DIR", help="pristine tree root (containing vllm/)")
     source.add_argument("--pristine", action="store_true",
@@ -44,15 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-cli-spec", action="store_true",
                       help=f"lock without {CLI_SPEC}: launch checks without the target "
                            "interpreter then know the schema only")
-    lock.add_argument("--spec-python", metavar="PYTHON",
-                      help="with --cli-spec: an interpreter with vLLM's dependencies that builds "
-                           "the parser (default: $M3PATCH_CPU_VENV/bin/python, else "
-                           "~/.cache/m3patch/vllm-cpu-venv/bin/python)")
+    add_python_flag(lock, what="with --cli-spec: an interpreter with vLLM's dependencies that "
+                               "builds the parser (default: $M3PATCH_CPU_VENV/bin/python, else "
+                               "~/.cache/m3patch/vllm-cpu-venv/bin/python); --spec-python is "
+                               "another spelling", aliases=("--spec-python",))
     show = sub.add_parser("show", help="list the patches and markers of a series")
-    show.add_argument("--series", metavar="DIR", type=Path, required=True)
+    show.add_argument("--series", metavar="NAME|DIR", type=series_path, required=True)
     port = sub.add_parser("port", help="port a series to another vLLM tree (exact hunks, "
                                        "upstreamed ones dropped, conflicts reported)")
-    port.add_argument("source", metavar="SRC", type=Path, help="the series folder to port")
+    port.add_argument("source", metavar="SRC", type=series_path,
+                      help="the series to port (a folder, or a name `series list` prints)")
     port.add_argument("--tree", metavar="NEW_ROOT", type=Path, required=True,
                       help="pristine tree of the target vLLM (the folder containing vllm/)")
     port.add_argument("--out", metavar="DIR", type=Path,
@@ -75,7 +77,7 @@ def _spec_python(given: str | None) -> str:
     if not python.exists():
         msg = (f"no interpreter with vLLM's dependencies at {python} to build the target "
                f"vLLM's `vllm serve` parser for {CLI_SPEC}")
-        raise UsageError(msg, hint="bash scripts/setup/setup_cpu_venv.sh, or pass --spec-python PYTHON "
+        raise UsageError(msg, hint="bash scripts/setup/setup_cpu_venv.sh, or pass --python PATH "
                                    "(or --no-cli-spec)")
     return str(python)
 
@@ -116,7 +118,7 @@ def _lock(args: argparse.Namespace) -> int:
     check_target(tree, series.target_version, series.target_commit)
     spec = None if args.no_cli_spec else _kept_spec(series)
     if args.cli_spec:
-        python = _spec_python(args.spec_python)
+        python = _spec_python(args.python)
         say(f"m3patch: building vLLM {tree.version}'s `vllm serve` parser from {tree.root} "
             f"with {python}")
         spec = generate_spec(tree.root, python, series.target_version)

@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.local_launcher import run_set
 from m3patch.cluster.node import NodeRun
 from m3patch.cluster.node_plan import require_node, require_topology
 from m3patch.cluster.slurm import sbatch_script
+from m3patch.commands.flags import add_python_flag
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted, UsageError
 from m3patch.fsio import write_bytes_atomic
@@ -45,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check the launch with the target vLLM's own parser, print the argv, env and "
                              "markers; apply and start nothing")
-    parser.add_argument("--python", help="interpreter whose vLLM tree is patched and launched "
-                                         "(default: the recipe's target.python, else this one)")
+    add_python_flag(parser, what="interpreter whose vLLM tree is patched and launched "
+                                 "(default: the recipe's target.python, else this one)")
     parser.add_argument("--allow-other-vllm", action="store_true",
                         help="with --dry-run: check with --python's vLLM parser even when it is "
                              "not the version the recipe's series targets (else exit 4), and "
@@ -62,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", help="topology recipes: run this role's node only (with --rank)")
     parser.add_argument("--rank", type=int, help="topology recipes: the node's rank in its role "
                                                  "(0-based; with --role)")
+    parser.add_argument("--set-id", help="topology recipes: the set's identity, the same on "
+                                          "every node (default: M3PATCH_SET_ID, else the Slurm "
+                                          "job id; the local launcher makes a fresh one)")
     parser.add_argument("--write-sbatch", type=Path, metavar="FILE",
                         help="topology recipes: write the Slurm job (one serve --role/--rank task "
                              "per node, then the sweep from the batch step) to FILE; start nothing")
@@ -172,13 +177,27 @@ def _serve_topology(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
     if args.write_sbatch is not None:
         require_topology(recipe)
+        # Slurm opens the job's --output file in RUN/logs before the script runs: it must exist.
+        try:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            msg = f"cannot create the job's log folder {run_dir / 'logs'}: {exc.strerror}"
+            raise UsageError(msg, hint="pass a writable --run-dir on a file system every node "
+                                       "shares") from None
         write_bytes_atomic(args.write_sbatch, sbatch_script(recipe, run_dir.resolve()).encode())
         info(f"wrote {args.write_sbatch}: submit with `sbatch {args.write_sbatch}` (RUN {run_dir} "
              "must be on a file system every node shares)")
         return 0
+    set_id = rv.set_identity(args.set_id)
     if args.role is None:
-        return run_set(recipe, run_dir, args.python, args.hold, args.stop_after_ready)
+        return run_set(recipe, run_dir, args.python, args.hold, args.stop_after_ready, set_id)
     node = require_node(recipe, args.role, args.rank)
+    if set_id is None:
+        msg = (f"node {node} has no set identity: every node of one set must carry the same one, "
+               "so that records of another set or an earlier run are never taken for its own")
+        raise UsageError(msg, hint=f"export {rv.SET_ID_VAR}={rv.fresh_set_id()} on every node "
+                                   "(a Slurm job uses its job id), or pass --set-id")
     python = args.python or recipe.target.python or sys.executable
-    runner = NodeRun(recipe, node, run_dir, python, echo=None if args.quiet else echo_server_line)
+    runner = NodeRun(recipe, node, run_dir, python, set_id,
+                     echo=None if args.quiet else echo_server_line)
     return runner.run(args.hold, args.stop_after_ready)

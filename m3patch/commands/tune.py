@@ -83,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="judge every entry of TABLE against vLLM's default on this GPU; "
                             "exit 14 if one loses beyond the noise (shape from its "
                             ".provenance.json, or the shape options)")
-    check.add_argument("--check-json", type=Path, metavar="PATH",
-                       help="where --check writes its JSON (default OUT-DIR/<table>.check.json)")
+    check.add_argument("--json-file", "--check-json", dest="check_json", type=Path,
+                       metavar="FILE", help="where --check writes its JSON (default "
+                       "OUT-DIR/<table>.check.json); --check-json is its older spelling")
     check.add_argument("--judge-reps", type=int, default=30,
                        help="graph replays per timing in --check")
 

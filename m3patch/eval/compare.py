@@ -62,6 +62,11 @@ def compare_rows(base: Scores, new: Scores) -> list[list[str]]:
     return rows
 
 
+def change_cell(base: Scores, new: Scores) -> str:
+    """Every task's score change in one cell, for the throughput table's Accuracy column."""
+    return "; ".join(f"{task} {change}" for task, _, _, _, change in compare_rows(base, new))
+
+
 def to_json(base: Scores, new: Scores) -> list[dict[str, Any]]:
     return [{"task": task, "metric": metric,
              "base": base[(task, metric)][0] if (task, metric) in base else None,

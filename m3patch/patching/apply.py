@@ -170,9 +170,11 @@ def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
             dirs = old[chain.path].dirs if chain.path in old else ()
             files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1], dirs))
     done = {f.path for f in files}
-    patches = tuple(p.id for p in snap.series.patches
-                    if all(c.path in done for c in snap.chains
-                           if any(s.patch_id == p.id for s in c.steps)))
+    paths_of: dict[str, set[str]] = {}
+    for chain in snap.chains:
+        for step in chain.steps:
+            paths_of.setdefault(step.patch_id, set()).add(chain.path)
+    patches = tuple(p.id for p in snap.series.patches if paths_of.get(p.id, set()) <= done)
     return new_ledger(series=snap.series.id, mode=mode, vllm_version=target.version,
                       vllm_commit=target.commit, version_note=target.note, patches=patches,
                       files=tuple(files))
@@ -323,7 +325,8 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
             writer.commit(tree.root, to_changes(tree, chains, plans, made, "add"),
                           ledger.to_bytes())
     wanted = {s.patch_id for c in chains for s in c.steps}
-    pending = {s.patch_id for p in plans for c in chains if c.path == p.path for s in c.steps}
+    by_path = {c.path: c for c in chains}
+    pending = {s.patch_id for p in plans for s in by_path[p.path].steps}
     offsets = tuple(f"{p.path}: {pid} hunk {h.index} applied at line {h.line} (offset {h.offset:+d})"
                     for p in plans for pid, h in p.offsets if h.offset)
     hunk_state = "pending" if dry_run else "applied"  # the probe's state is the one before the run

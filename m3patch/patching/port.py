@@ -45,7 +45,7 @@ class HunkPort:
     index: int
     outcome: HunkOutcome
     old_line: int  # 1-based line the header names (old vLLM)
-    new_line: int | None  # 1-based line it lands on in the new file; None for a conflict
+    new_line: int | None  # 1-based line of the new vLLM's file (before this patch); None: conflict
     offset: int = 0
     conflict: Conflict | None = None
 
@@ -168,7 +168,8 @@ def port_file(fp: FilePatch, data: bytes | None) -> FilePort:
         if outcome == "conflict":
             up = _upstream_at(out, hunk)
             if up is not None:
-                results.append(HunkPort(hunk.index, "upstream", hunk.old_start, up + 1, up - expected))
+                results.append(HunkPort(hunk.index, "upstream", hunk.old_start, up - placed + 1,
+                                        up - expected))
                 shift += len(hunk.new_lines) - len(hunk.old_lines)
                 floor = up + len(hunk.new_lines)
                 continue
@@ -176,7 +177,8 @@ def port_file(fp: FilePatch, data: bytes | None) -> FilePort:
                                     conflict=_conflict(out, hunk, expected, why, placed)))
             continue
         out[at:at + len(hunk.old_lines)] = hunk.new_lines
-        results.append(HunkPort(hunk.index, outcome, hunk.old_start, at + 1, at - expected))
+        # the new vLLM's own line (before this patch's earlier hunks moved it), as for conflicts
+        results.append(HunkPort(hunk.index, outcome, hunk.old_start, at - placed + 1, at - expected))
         shift += len(hunk.new_lines) - len(hunk.old_lines)
         placed += len(hunk.new_lines) - len(hunk.old_lines)
         floor = at + len(hunk.new_lines)

@@ -133,6 +133,21 @@ def _incomplete(out: Path, doc: dict[str, Any], markdown: str, why: str) -> None
     write_bytes_atomic(out / INCOMPLETE, (why.rstrip() + "\n").encode("utf-8"))
 
 
+def _clear_incomplete(out: Path) -> None:
+    """An --out holding exactly what an incomplete port writes (INCOMPLETE and the report) is
+    this tool's own leftover: removed, so the port can be re-run into the same folder. A folder
+    with anything else is left alone (and refused)."""
+    if not out.is_dir() or out.is_symlink():
+        return
+    names = {entry.name for entry in out.iterdir()}
+    if INCOMPLETE not in names or not names <= {INCOMPLETE, REPORT_MD, REPORT_JSON}:
+        return
+    for name in names:
+        path = out / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
 def port_series(src: Path, new_root: Path, out: Path | None, *, command: str, lint: MarkerLint,
                 series_id: str | None = None) -> PortResult:
     """Plan the port; with `out`, write it (complete and proven, or incomplete + PortConflict).
@@ -146,17 +161,22 @@ def port_series(src: Path, new_root: Path, out: Path | None, *, command: str, li
     markdown = report_markdown(doc, plan)
     if out is None:
         return PortResult(plan, doc, markdown, new_id, None)
+    _clear_incomplete(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         msg = f"{out}: exists and is not empty"
-        raise UsageError(msg, hint="pass a new --out folder (the port never overwrites)")
+        raise UsageError(msg, hint="pass a new --out folder (the port never overwrites; it "
+                         "replaces only the report of an earlier incomplete port)")
     if plan.conflicts:
         hunks = [f"{p.id}: {f.path} hunk {h.index}" for p in plan.conflicts for f in p.files
                  for h in f.hunks if h.outcome == "conflict"]
         _incomplete(out, doc, markdown, "conflicts: " + "; ".join(hunks))
         msg = (f"{len(hunks)} hunk(s) conflict on vLLM {tree.version}: " + "; ".join(hunks)
-               + f"; {out} holds the report only")
-        raise PortConflict(msg, hint=f"port those hunks by hand (read {out / REPORT_MD}), then "
-                           "re-run `m3patch series port` on the edited series")
+               + f"; {out} holds the report only (no series.yaml)")
+        raise PortConflict(msg, hint=(
+            f"copy the source series ({series.directory}) to a folder of your own, edit those "
+            f"hunks there to match vLLM {tree.version} (the report {out / REPORT_MD} shows each "
+            f"beside the new lines), then `m3patch series port COPY --tree {tree.root} --out "
+            f"{out}`: the same --out, whose report this run replaces"))
     staging = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -233,7 +233,7 @@ def load_series(series_dir: Path, *, with_lock: bool = True) -> Series:
     manifest = directory / MANIFEST
     if not manifest.is_file():
         msg = f"{manifest}: no series manifest"
-        raise UsageError(msg, hint="pass --series patches/vllm-<version> (a folder with series.yaml)")
+        raise UsageError(msg, hint=SERIES_HINT)
     with schema.in_file(manifest):
         series_id, version, commit, patches = parse_manifest(load_yaml_file(manifest), directory)
     series = Series(series_id, directory, version, commit, tuple(patches), None)
@@ -256,16 +256,46 @@ def base_version(version: str) -> str:
     return ".".join(parts)
 
 
+SERIES_HINT = ("pass --series NAME (a name `m3patch series list` prints, e.g. vllm-0.33.0) or "
+               "--series DIR (a folder with series.yaml)")
+
+
+def shipped_series_names() -> tuple[str, ...]:
+    """Names of the series that ship with m3patch (their folder names), sorted."""
+    folder = shipped_dir("patches")
+    if folder is None:
+        return ()
+    return tuple(sorted(p.name for p in folder.iterdir() if (p / MANIFEST).is_file()))
+
+
+def series_path(text: str) -> Path:
+    """The series folder for a --series argument (argparse type): an existing path, a path, or a
+    series name as `series list` prints it (`vllm-0.33.0`: ./patches/NAME, else the shipped
+    one). An unknown bare name is a usage error naming the shipped series."""
+    path = Path(text)
+    if path.exists() or not text or "/" in text or text.startswith(("~", ".", "$")):
+        return path
+    shipped = shipped_dir("patches")
+    for candidate in (Path("patches") / text, *([shipped / text] if shipped else [])):
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    names = shipped_series_names()
+    msg = (f"{text}: no such series folder, and no shipped series is named {text!r}."
+           f"{schema.suggest(text, names)}")
+    shown = ", ".join(names) if names else "none ship with this m3patch"
+    raise UsageError(msg, hint=f"give a series folder, or a shipped series name ({shown})")
+
+
 def find_series_dir(explicit: Path | None, vllm_version: str | None) -> Path:
     """The series to use: `explicit` (--series), then $M3PATCH_SERIES, then patches/vllm-<base>
     in the working folder, then the one shipped with m3patch (checkout first, else the wheel's)."""
     if explicit is not None:
         return Path(explicit)
     if os.environ.get(ENV_SERIES):
-        return Path(os.environ[ENV_SERIES])
+        return series_path(os.environ[ENV_SERIES])
     if vllm_version is None:
         msg = "no series given"
-        raise UsageError(msg, hint="pass --series patches/vllm-<version>")
+        raise UsageError(msg, hint=SERIES_HINT)
     name = f"vllm-{base_version(vllm_version)}"
     shipped = shipped_dir("patches")
     candidates = [Path("patches") / name, *([shipped / name] if shipped is not None else [])]
@@ -274,4 +304,6 @@ def find_series_dir(explicit: Path | None, vllm_version: str | None) -> Path:
             return candidate
     looked = ", ".join(str(c / MANIFEST) for c in candidates)
     msg = f"no series for vLLM {vllm_version} (looked for patches/{name}/series.yaml: {looked})"
-    raise UsageError(msg, hint="pass --series DIR, or write the series for this version")
+    names = ", ".join(shipped_series_names()) or "none"
+    raise UsageError(msg, hint=f"pass --series NAME|DIR (shipped: {names}; `m3patch series list` "
+                               "says which fits), or write the series for this version")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from m3patch import __version__
 from m3patch.errors import UsageError
@@ -20,10 +20,10 @@ from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
 from m3patch.patching.ledger import SHA256_RE, digest
 from m3patch.patching.locate import VllmTree, check_target
+from m3patch.patching.parse_cache import parsed
 
 if TYPE_CHECKING:
     from m3patch.patching.diffs import PatchFile
-    from m3patch.patching.series import Series
 
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
@@ -63,6 +63,33 @@ class SeriesLock:
 
     def pin(self, patch_id: str) -> PatchPin:
         return next(p for p in self.patches if p.id == patch_id)
+
+
+class EntryLike(Protocol):
+    """What the lock needs of a series.yaml entry (patching.series.PatchEntry)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def file(self) -> str: ...
+
+
+class SeriesLike(Protocol):
+    """What the lock needs of a loaded series (patching.series.Series). A protocol rather than
+    the class: series.py reads the lock through this module, so importing it back would make
+    the two modules import each other."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def directory(self) -> Path: ...
+    @property
+    def target_version(self) -> str: ...
+    @property
+    def target_commit(self) -> str | None: ...
+    @property
+    def patches(self) -> Sequence[EntryLike]: ...
+    def require_lock(self) -> SeriesLock: ...
 
 
 def relock_hint(directory: Path) -> str:
@@ -136,7 +163,7 @@ def _check_chains(pins: Sequence[PatchPin]) -> None:
             last[file.path] = file.post
 
 
-def check_lock_matches(lock: SeriesLock, series: Series, path: Path) -> None:
+def check_lock_matches(lock: SeriesLock, series: SeriesLike, path: Path) -> None:
     manifest = [(p.id, p.file) for p in series.patches]
     locked = [(p.id, p.file) for p in lock.patches]
     same_target = (lock.target_version, lock.target_commit) == (
@@ -165,7 +192,7 @@ def compute_pins(patches: Sequence[tuple[str, PatchFile, str]],
     return tuple(pins)
 
 
-def _lock_body(series: Series, tree: VllmTree, pins: Sequence[PatchPin],
+def _lock_body(series: SeriesLike, tree: VllmTree, pins: Sequence[PatchPin],
                spec: SpecPin | None) -> dict[str, Any]:
     return {"schema": LOCK_SCHEMA, "series": series.id, "generated-by": f"m3patch {__version__}",
             "target": {"vllm-version": series.target_version, "commit": series.target_commit},
@@ -183,14 +210,15 @@ class LockWritten:
     files: int
 
 
-def lock_series(series: Series, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
+def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
     """Pin `series` on the pristine `tree` (its target version) and write series.lock.json;
     with `cli_spec` (the launch spec generated from the same tree) write it and pin its hash."""
     check_target(tree, series.target_version, series.target_commit)
     patches = []
     for entry in series.patches:
-        data = series.patch_path(entry).read_bytes()
-        patches.append((entry.id, parse_patch(data, str(series.patch_path(entry))), digest(data)))
+        path = series.directory / entry.file
+        data = path.read_bytes()
+        patches.append((entry.id, parse_patch(data, str(path)), digest(data)))
     paths = sorted({fp.path for _, patch, _ in patches for fp in patch.files})
     pristine = {}
     for rel in paths:
@@ -210,17 +238,17 @@ def lock_series(series: Series, tree: VllmTree, cli_spec: bytes | None = None) -
 
 @dataclass(frozen=True)
 class Pinned:
-    series: Series
+    series: SeriesLike
     hashes: dict[str, tuple[str | None, ...]]  # per file: pristine, then after each patch on it
     raw: dict[str, bytes]  # per patch id: the .patch bytes, read once and checked against the lock
 
 
-def pinned(series: Series) -> Pinned:
+def pinned(series: SeriesLike) -> Pinned:
     """The lock's chain of hashes per file; refuses a patch edited since `series lock`."""
     lock = series.require_lock()
     raw = {}
     for entry in series.patches:
-        path = series.patch_path(entry)
+        path = (series.directory / entry.file)
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -237,10 +265,17 @@ def pinned(series: Series) -> Pinned:
     return Pinned(series, {p: tuple(h) for p, h in hashes.items()}, raw)
 
 
-def load_patches(series: Series, raw: Mapping[str, bytes] | None = None,
+def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
                  ) -> tuple[tuple[PatchFile, PatchPin], ...]:
     """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
     raw = pinned(series).raw if raw is None else raw
     lock = series.require_lock()
-    return tuple((parse_patch(raw[e.id], str(series.patch_path(e))), lock.pin(e.id))
-                 for e in series.patches)
+    out = []
+    for entry in series.patches:
+        pin = lock.pin(entry.id)
+        data = raw[entry.id]
+        if digest(data) != pin.sha256:  # the memo's key must name exactly these bytes
+            msg = f"{series.directory / entry.file}: changed since series.lock.json was generated"
+            raise UsageError(msg, hint=relock_hint(series.directory))
+        out.append((parsed(data, str(series.directory / entry.file), pin.sha256), pin))
+    return tuple(out)

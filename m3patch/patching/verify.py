@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m3patch.errors import VerifyFailed
+from m3patch.patching import compile_memo
+from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, compile_with
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
@@ -66,14 +68,24 @@ class VerifyReport:
 
 
 def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
+    """Compile each source with this interpreter; contents this interpreter compiled before
+    (compile_memo, by sha256) are not compiled again."""
     errors = {}
+    good = compile_memo.known_good()
+    compiled = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
         for path, data in sources.items():
+            key = digest(data)
+            if key in good:
+                continue
             try:
                 compile(data, path, "exec", dont_inherit=True)
             except (SyntaxError, ValueError) as exc:
                 errors[path] = str(exc)
+            else:
+                compiled.append(key)
+    compile_memo.remember(good, compiled)
     return errors
 
 

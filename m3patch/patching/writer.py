@@ -9,6 +9,9 @@ file is present with its post-image hash, else restores the backups (hard links 
 pre-images, so no data is copied and nothing is written through a link). Folders created for new
 files are named in the journal before they are made, so a rollback removes exactly those (and a
 revert removes the ones the ledger says the apply made); a pre-existing folder is never removed.
+Durability is per phase, not per file: everything staged (post-images, backup links, folders) is
+flushed at once (fsio.make_durable: one syncfs) before the commit journal is written, and the
+renames at once before the ledger; the journal and ledger themselves are fsynced as they land.
 
 Test-only fault hook: M3PATCH_FAULT=kill-after:N sends SIGKILL to this process right after
 write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-transaction).
@@ -25,11 +28,11 @@ import signal
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
 from m3patch.errors import LockTimeout, TreeIOError, UsageError
-from m3patch.fsio import DEFAULT_MODE, fsync_dir, read_json, replace_atomic, write_new
+from m3patch.fsio import DEFAULT_MODE, make_durable, read_json, replace_atomic, write_new
 from m3patch.patching.diffs import check_rel_path, safe_target
 from m3patch.patching.ledger import (
     check_sha256,
@@ -158,9 +161,12 @@ def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
 
 
 def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes | None) -> None:
-    body = {"phase": phase, "entries": [asdict(e) for e in entries],
+    # the same document as asdict() gives, field by field and without indent: asdict and an
+    # indented dump run in pure Python, about a second each for a release-sized transaction
+    names = [f.name for f in fields(Entry)]
+    body = {"phase": phase, "entries": [{n: getattr(e, n) for n in names} for e in entries],
             "ledger": None if ledger is None else ledger.decode()}
-    replace_atomic(journal_path(root), json.dumps(body, indent=1).encode())
+    replace_atomic(journal_path(root), json.dumps(body).encode())
 
 
 def _keep_owner(stage: Path, target: Path) -> None:
@@ -191,7 +197,9 @@ def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
             (root / rel).mkdir(exist_ok=True)
         steps.done()
     if entry.stage is not None and change.data is not None:
-        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE)
+        # durable with the whole stage at once (make_durable in commit), before the commit phase
+        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE,
+                  sync=False)
         if change.pre is not None:
             _keep_owner(target.parent / entry.stage, target)
         steps.done()
@@ -206,11 +214,21 @@ def _swap(root: Path, entry: Entry) -> None:
         (target.parent / entry.stage).replace(target)
 
 
+def _folders(root: Path, entries: list[Entry]) -> list[Path]:
+    """The folders whose entries a transaction changes: each file's, and above each it made."""
+    out = [(root / e.path).parent for e in entries]
+    out += [(root / d).parent for e in entries for d in e.made_dirs]
+    return [d for d in dict.fromkeys(out) if d.exists()]
+
+
+def _stage_durable(root: Path, entries: list[Entry]) -> None:
+    """Staged post-images, backup links and new folders on disk, in one flush."""
+    staged = [(root / e.path).parent / e.stage for e in entries if e.stage is not None]
+    make_durable([p for p in staged if p.exists()], _folders(root, entries))
+
+
 def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps) -> None:
-    dirs = {(root / e.path).parent for e in entries}
-    for directory in dirs:
-        if directory.exists():
-            fsync_dir(directory)
+    make_durable([], _folders(root, entries))  # the renames, before the ledger says so
     if ledger is None:
         with contextlib.suppress(FileNotFoundError):
             ledger_path(root).unlink()
@@ -246,6 +264,7 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
         steps.done()
         for change, entry in zip(changes, entries, strict=True):
             _stage(root, change, entry, steps)
+        _stage_durable(root, entries)  # every staged file and link on disk before "commit"
         _write_journal(root, "commit", entries, ledger)
         steps.done()
         for entry in entries:

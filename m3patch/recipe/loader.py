@@ -25,8 +25,9 @@ from m3patch.recipe.launch import Parallelism, flatten_vllm_args
 from m3patch.recipe.paths import expand
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
 from m3patch.recipe.target import ModelSpec, Target
-from m3patch.recipe.topology import Topology, topology
+from m3patch.recipe.topology import Topology, check_placeholders, topology
 from m3patch.schema import SchemaError, at_key, check_keys, expect_mapping, expect_str, in_file
+from m3patch.shipped import shipped_dir
 from m3patch.yamlio import load_yaml_file
 
 TOP_KEYS = ("description", "server", "parallelism", "vllm-args", "env", "speculative", "markers",
@@ -72,6 +73,17 @@ def _section(data: dict[str, Any], key: str, parse: Callable[[dict[str, Any]], T
         return parse(expect_mapping(data.get(key, {})))
 
 
+def _series_dir(path: Path, text: str) -> Path:
+    """`series:` is a folder relative to the recipe, or the name of a shipped series
+    (`vllm-0.33.0`, as `m3patch series list` prints it) when no such folder is there."""
+    relative = (path.parent / expand(text)).resolve()
+    shipped = shipped_dir("patches")
+    if "/" not in text and not relative.is_dir() and shipped is not None \
+            and (shipped / text / "series.yaml").is_file():
+        return (shipped / text).resolve()
+    return relative
+
+
 def load_recipe(path: Path) -> Recipe:
     data = load_yaml_file(path)
     with in_file(path):
@@ -88,7 +100,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     with at_key("name"):
         name = expect_str(data["name"])
     with at_key("series"):
-        series_dir = (path.parent / expand(expect_str(data["series"]))).resolve()
+        series_dir = _series_dir(path, expect_str(data["series"]))
     model = _section(data, "model", served.model)
     spec = _section(data, "speculative", dict)
     with at_key("speculative"):
@@ -98,10 +110,21 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
     marker_gates = _section(data, "markers", partial(gates.markers, source=f"recipe {path}"))
     host, port = _section(data, "server", launch.server)
     platform = _section(data, "target", served.target).platform
-    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu"))
+    swept = _section(data, "sweep", partial(sweep, gpu=platform != "cpu", base=path.parent))
     check_lengths_fit(swept, data.get("vllm-args"))
+    if swept.agentic is not None and swept.agentic.speculative and spec_json is None:
+        with at_key("sweep"), at_key("speculative"):
+            msg = "overrides a speculative config the recipe does not have (add `speculative:`)"
+            raise SchemaError(msg)
     nodes = _section(data, "topology", partial(topology, source=f"recipe {path}"))
     parallel = _section(data, "parallelism", launch.parallelism)
+    env = _section(data, "env", launch.env)
+    with at_key("env"):
+        if nodes is not None:
+            check_placeholders(env)  # a node fills in its own @{address}, @{interface}, ...
+        elif any("@{" in value for _key, value in env):
+            msg = "@{...} node values exist only in a recipe with a `topology:` section"
+            raise SchemaError(msg)
     if nodes is not None:
         _check_topology_fits(data, parallel, marker_gates.counts)
     return Recipe(
@@ -109,7 +132,7 @@ def _build(data: dict[str, Any], path: Path) -> Recipe:
         target=_section(data, "target", served.target), series_dir=series_dir, model=model,
         host=host, port=port, parallelism=parallel,
         vllm_args=_section(data, "vllm-args", flatten_vllm_args),
-        env=_section(data, "env", launch.env), speculative_json=spec_json,
+        env=env, speculative_json=spec_json,
         sweep=swept, markers=marker_gates.markers, marker_counts=marker_gates.counts,
         marker_waivers=marker_gates.waivers,
         deadlines=_section(data, "deadlines", deadlines), results_dir=results, topology=nodes,

@@ -17,13 +17,18 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 def expand(text: str) -> str:
     """`~` and `${VAR}` / `${VAR:-default}`; an unset variable without default is an error."""
+    return str(Path(expand_vars(text)).expanduser())
+
+
+def expand_vars(text: str) -> str:
+    """`${VAR}` / `${VAR:-default}` only (not a path: nothing normalised)."""
     def one(match: re.Match[str]) -> str:
         value = os.environ.get(match.group(1)) or match.group(2)
         if value is None:
             msg = f"environment variable {match.group(1)} is not set (no default given)"
             raise SchemaError(msg)
         return value
-    return str(Path(_VAR.sub(one, text)).expanduser())
+    return _VAR.sub(one, text)
 
 
 def model_source(text: str) -> tuple[str, bool]:

@@ -4,8 +4,9 @@ A recipe may give `sweep.regions`, each a `when` (bounds on isl, osl and concurr
 `vllm-args` / `env` overrides for the cells inside it (InferenceX's MI355X script switches
 `--linear-backend emulation` on at ISL >= 8192 and concurrency >= 64), and
 `sweep.max-model-len: per-cell` sizes each cell's server as InferenceX does: isl + osl + 256.
-Cells whose resulting server is the same form one group; the run starts, gates and stops one
-server per group (run.pipeline), and `m3patch matrix --per group` emits one job per group.
+Cells whose resulting server is the same form one group (recipe.server_groups); the run starts,
+gates and stops one server per group (run.pipeline), and `m3patch matrix --per group` emits one
+job per group.
 
 Regions apply in order; a later region's key wins over an earlier one's. m3patch runs its own
 loop rather than `vllm bench sweep serve`: every server it starts must come from the verified
@@ -14,16 +15,12 @@ tree and pass the marker gate before a cell is measured, which that loop cannot 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from m3patch.recipe.launch import env as parse_env
 from m3patch.recipe.launch import flatten_vllm_args
 from m3patch.schema import SchemaError, at_key, check_keys, expect_int, expect_list, expect_mapping
-
-if TYPE_CHECKING:
-    from m3patch.recipe.loader import Recipe
 
 BOUNDS = ("isl-min", "isl-max", "osl-min", "osl-max", "conc-min", "conc-max")
 PER_CELL = "per-cell"
@@ -83,40 +80,3 @@ def _check_ordered(bounds: dict[str, int]) -> None:
         if low is not None and high is not None and low > high:
             msg = f"{dim}-min {low} is above {dim}-max {high}: the region would match no cell"
             raise SchemaError(msg)
-
-
-@dataclass(frozen=True)
-class ServerGroup:
-    """One server form and the cells (ids, in run order) measured against it."""
-
-    index: int
-    recipe: Recipe  # the recipe with this group's vllm-args and env
-    cell_ids: tuple[str, ...]
-
-
-def server_variant(recipe: Recipe, isl: int, osl: int, conc: int) -> Recipe:
-    """The recipe as the server for this cell needs it."""
-    sweep = recipe.sweep
-    matching = [r for r in sweep.regions if r.matches(isl, osl, conc)]
-    if not matching and not sweep.per_cell_max_model_len:
-        return recipe
-    args: dict[str, Any] = dict(recipe.vllm_args_raw)
-    env: dict[str, str] = dict(recipe.env)
-    for region in matching:
-        args.update(region.vllm_args)
-        env.update(region.env)
-    if sweep.per_cell_max_model_len:
-        args["max-model-len"] = isl + osl + MAX_MODEL_LEN_MARGIN
-    return replace(recipe, vllm_args=flatten_vllm_args(args), env=tuple(env.items()))
-
-
-def server_groups(recipe: Recipe, cells: Sequence[Any]) -> tuple[ServerGroup, ...]:
-    """Cells grouped by the server they need, groups in the order their first cell runs."""
-    by_form: dict[tuple[object, ...], tuple[Recipe, list[str]]] = {}
-    for cell in cells:
-        variant = server_variant(recipe, cell.seq.isl, cell.seq.osl, cell.concurrency)
-        key = (variant.vllm_args, variant.env)
-        by_form.setdefault(key, (variant, []))[1].append(cell.cell_id)
-    return tuple(ServerGroup(i, variant, tuple(ids))
-                 for i, (variant, ids) in enumerate(by_form.values(), start=1))
-

@@ -13,7 +13,9 @@ Turning rows into benchmark cells (and the latency-point rule) is m3patch.bench.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from m3patch.recipe.agentic import AGENTIC_CODING, AgenticScenario, agentic_scenario, scenario_of
 from m3patch.recipe.lengths import INFERENCEX, VLLM, longest
 from m3patch.recipe.regions import PER_CELL, Region, regions
 from m3patch.schema import (
@@ -47,6 +49,7 @@ class Sweep:
     chat: bool = False
     regions: tuple[Region, ...] = ()  # server overrides by isl/osl/concurrency (recipe.regions)
     per_cell_max_model_len: bool = False  # each cell's server gets isl + osl + 256
+    agentic: AgenticScenario | None = None  # scenario agentic-coding (recipe.agentic); no rows
 
     def num_prompts(self, concurrency: int) -> int:
         return self.prompts_per_concurrency * concurrency
@@ -109,11 +112,14 @@ def _spread(data: dict[str, object], gpu: bool) -> tuple[float, str]:
     return ratio, VLLM
 
 
-def sweep(raw: object, *, gpu: bool = False) -> Sweep:
-    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8)."""
+def sweep(raw: object, *, gpu: bool = False, base: Path = Path()) -> Sweep:
+    """The `sweep` section; `gpu` recipes default to InferenceX's spread (r = 0.8). An
+    agentic-coding sweep (recipe.agentic) has no isl/osl rows; `base` resolves its trace file."""
     data = expect_mapping(raw)
+    if scenario_of(data) == AGENTIC_CODING:
+        return Sweep((), 1, 0, 0.0, agentic=agentic_scenario(data, base=base))
     check_keys(data, required=("rows",), optional=(
-        "prompts-per-concurrency", "warmups-per-concurrency", "range-ratio", INFERENCEX_KEY,
+        "scenario", "prompts-per-concurrency", "warmups-per-concurrency", "range-ratio", INFERENCEX_KEY,
         "client", "regions", "max-model-len"))
     rows = []
     with at_key("rows"):
@@ -151,10 +157,18 @@ def check_lengths_fit(sweep: Sweep, vllm_args: object) -> None:
         return
     for index, row in enumerate(sweep.rows):
         reach = longest(row.isl, row.osl, sweep.range_ratio, sweep.length_convention)
-        if reach > limit:
+        if reach <= limit:
+            continue
+        if sweep.length_convention == INFERENCEX:
+            # InferenceX draws [int(L*r), L]: the longest request is isl + osl whatever the ratio
+            msg = (f"isl {row.isl} + osl {row.osl} = {reach} tokens (InferenceX's lengths never "
+                   f"pass isl + osl, whatever {INFERENCEX_KEY}), over vllm-args.max-model-len "
+                   f"{limit}; raise vllm-args.max-model-len to at least {reach}, shorten the row, "
+                   f"or size each cell's server with sweep.max-model-len: per-cell")
+        else:
             msg = (f"isl {row.isl} + osl {row.osl} with range-ratio {sweep.range_ratio} "
-                   f"({sweep.length_convention}'s convention) reach "
-                   f"{reach} tokens, over vllm-args.max-model-len {limit}; lower range-ratio "
-                   f"or raise max-model-len")
-            with at_key("sweep"), at_key("rows"), at_key(index):
-                raise SchemaError(msg)
+                   f"(vLLM's convention: lengths up to L(1+r)) reach {reach} tokens, over "
+                   f"vllm-args.max-model-len {limit}; lower sweep.range-ratio or raise "
+                   f"vllm-args.max-model-len to at least {reach}")
+        with at_key("sweep"), at_key("rows"), at_key(index):
+            raise SchemaError(msg)

@@ -37,6 +37,9 @@ class ModelSpec:
     tokenizer: str       # for the bench client (a local dir avoids a hub lookup)
     draft: str | None
     revision: str | None = None  # a hub model's pinned commit (40 hex); None: whatever `main` is
+    # model.source as the recipe writes it (`~`, ${VAR} unexpanded): for output that travels to
+    # other machines (the CI matrix); empty when built without a recipe
+    source_text: str = ""
 
 
 def opt_str(data: dict[str, Any], key: str) -> str | None:
@@ -76,7 +79,8 @@ def model(data: dict[str, Any]) -> ModelSpec:
     check_keys(data, required=("source", "served-name"),
                optional=("tokenizer", "draft", "revision"))
     with at_key("source"):
-        source, is_local = model_source(expect_str(data["source"]))
+        source_text = expect_str(data["source"])
+        source, is_local = model_source(source_text)
     with at_key("served-name"):
         served = expect_str(data["served-name"])
     tokenizer = opt_str(data, "tokenizer")
@@ -84,7 +88,8 @@ def model(data: dict[str, Any]) -> ModelSpec:
         tokenizer = model_source(tokenizer)[0] if tokenizer else source
     draft = opt_str(data, "draft")
     return ModelSpec(source, is_local, served, tokenizer,
-                     model_source(draft)[0] if draft else None, _revision(data, is_local))
+                     model_source(draft)[0] if draft else None, _revision(data, is_local),
+                     source_text)
 
 
 def speculative_json(spec: dict[str, Any], draft: str | None) -> str | None:

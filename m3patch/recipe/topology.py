@@ -5,7 +5,16 @@ Kinds of role:
 - `dp-head`: the data-parallel head (API server, DP coordinator, its local engines); one node.
 - `dp-headless`: `vllm serve --headless` ranks that join the head's DP group (engines only).
 - `prefill`, `decode`: separate instances linked by a KV connector (disaggregated serving).
-- `proxy`: m3patch's P/D proxy (`python -m m3patch.cluster.proxy`); the set's front door.
+- `proxy`: vLLM's own P/D router (`vllm-router --vllm-pd-disaggregation`, the PyPI package
+  InferenceX pins for its disaggregated runs; `router:` names its binary); the set's front door.
+  A decode role's `kv-arrived:` is the log line that proves KV came from a prefill node: the
+  head sends one long prompt through the router once the set answers, and every decode node's
+  log must show the line (the connector loading is not enough).
+
+`address` (the head's) and the `network:` section stay as written here: each node resolves them
+at start (m3patch.cluster.network), so a render never shows a loopback address a real cluster
+would not use. Env values may name the node's own `@{address}`, `@{interface}`, `@{head}`,
+`@{role}` and `@{rank}`.
 
 Marker counts in a role are per WORKER PROCESS (vLLM prints its `info_once` lines once per
 process, and a node runs `local-dp x tp` of them), so a gate can say "every worker of every
@@ -23,7 +32,6 @@ from typing import Any, Literal, cast
 from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
 from m3patch.recipe.launch import flatten_vllm_args
-from m3patch.recipe.paths import expand
 from m3patch.schema import (
     SchemaError,
     at_key,
@@ -39,11 +47,25 @@ ROLE_KINDS: tuple[RoleKind, ...] = ("dp-head", "dp-headless", "prefill", "decode
 DP_KINDS = ("dp-head", "dp-headless")
 PD_KINDS = ("prefill", "decode", "proxy")
 VLLM_KINDS = ("dp-head", "dp-headless", "prefill", "decode")
-ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers")
+ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers", "router",
+             "kv-arrived")
+DEFAULT_ROUTER = "${M3PATCH_ROUTER_VENV:-~/.cache/m3patch/vllm-router-venv}/bin/vllm-router"
+# The keys vLLM 0.33's connectors read from kv_connector_extra_config with no default
+# (moriio_common.py: int(extra_config["http_port"]), ["handshake_port"], ["notify_port"]; the
+# NIXL connector reads every key with a default). tests/cluster check this against the tree.
+REQUIRED_EXTRA = {"MoRIIOConnector": ("http_port", "handshake_port", "notify_port")}
+# vllm-router's --kv-connector for a connector that needs the router's own handshake
+ROUTER_CONNECTORS = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl",
+                     "MooncakeConnector": "mooncake"}
 # m3patch writes these from the topology; a role setting them by hand would disagree with it.
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
-              "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port")
+              "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port", "host",
+              "enable-scale-out")
 DEFAULT_RPC_PORT = 13345
+DEFAULT_ADDRESS = "${M3PATCH_HEAD_ADDR}"  # no default: a set never falls back to loopback
+NETWORK_KEYS = ("interface", "address", "env")
+PLACEHOLDERS = ("address", "interface", "head", "role", "rank")
+_PLACEHOLDER = re.compile(r"@\{([^}]*)\}")
 # A role name becomes a file name (RUN/nodes/<role>-<rank>.json, logs) and a word of the sbatch
 # script (`role:rank` pairs split at ':'), so it is held to characters neither can misread.
 _ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -59,6 +81,9 @@ class Role:
     vllm_args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     markers: tuple[MarkerSpec, ...]  # counts per worker process
+    router: str = DEFAULT_ROUTER  # the proxy's vllm-router binary, as written
+    kv_arrived: str | None = None  # decode: the log line that proves KV arrived
+    connector: str | None = None  # prefill/decode: kv-transfer-config's kv_connector
 
     @property
     def serves_http(self) -> bool:
@@ -84,10 +109,21 @@ class NodeId:
 
 
 @dataclass(frozen=True)
+class Network:
+    """Which address a node advertises and which interface Gloo/NCCL/RCCL use (as written:
+    `auto` or a value with ${VAR}; resolved on the node)."""
+
+    interface: str = "auto"  # auto: the interface holding the node's address
+    address: str = "auto"  # auto: VLLM_HOST_IP if exported, else the route to the head
+    env: tuple[tuple[str, str], ...] = ()  # site values (NCCL_IB_HCA, ...), placeholders allowed
+
+
+@dataclass(frozen=True)
 class Topology:
-    address: str  # the DP head's address (--data-parallel-address); loopback here
+    address: str  # the head's address as written (${M3PATCH_HEAD_ADDR}); resolved on the head
     rpc_port: int
     roles: tuple[Role, ...]
+    network: Network = Network()
 
     def role(self, name: str) -> Role:
         for role in self.roles:
@@ -128,11 +164,11 @@ class Topology:
         msg = f"{node} is not a data-parallel node"
         raise SchemaError(msg)
 
-    def dp_args(self, node: NodeId) -> tuple[str, ...]:
-        """The DP flags m3patch adds to a DP node's `vllm serve`."""
+    def dp_args(self, node: NodeId, head_address: str) -> tuple[str, ...]:
+        """The DP flags m3patch adds to a DP node's `vllm serve` (the head's resolved IP)."""
         role = self.role(node.role)
         out = ["--data-parallel-size", str(self.dp_size), "--data-parallel-size-local",
-               str(role.local_dp), "--data-parallel-address", self.address,
+               str(role.local_dp), "--data-parallel-address", head_address,
                "--data-parallel-rpc-port", str(self.rpc_port)]
         if role.kind == "dp-headless":
             out += ["--headless", "--data-parallel-start-rank", str(self.start_rank(node))]
@@ -149,10 +185,12 @@ def node_markers(role: Role, tp: int) -> tuple[MarkerSpec, ...]:
 def topology(data: dict[str, Any], *, source: str) -> Topology | None:
     if not data:
         return None
-    check_keys(data, required=("roles",), optional=("address", "rpc-port"))
+    check_keys(data, required=("roles",), optional=("address", "rpc-port", "network"))
     with at_key("address"):
-        # ${M3PATCH_HEAD_ADDR:-127.0.0.1}: the Slurm job exports the first host of its allocation
-        address = expand(expect_str(data.get("address", "127.0.0.1")))
+        # kept as written; the head resolves it at start (the Slurm job exports the head's IP)
+        address = expect_str(data.get("address", DEFAULT_ADDRESS))
+    with at_key("network"):
+        net = network(expect_mapping(data.get("network", {})))
     with at_key("rpc-port"):
         rpc_port = _port(data.get("rpc-port", DEFAULT_RPC_PORT))
     roles = []
@@ -164,7 +202,30 @@ def topology(data: dict[str, Any], *, source: str) -> Topology | None:
                     raise SchemaError(msg)
                 roles.append(_role(str(name), expect_mapping(raw), source))
     _check_shape(tuple(roles))
-    return Topology(address, rpc_port, tuple(roles))
+    return Topology(address, rpc_port, tuple(roles), net)
+
+
+def network(data: dict[str, Any]) -> Network:
+    check_keys(data, optional=NETWORK_KEYS)
+    values = []
+    for key in ("interface", "address"):
+        with at_key(key):
+            values.append(expect_str(data.get(key, "auto")))
+    with at_key("env"):
+        env = launch.env(expect_mapping(data.get("env", {})))
+        check_placeholders(env)
+    return Network(values[0], values[1], env)
+
+
+def check_placeholders(env: tuple[tuple[str, str], ...]) -> None:
+    """Every `@{...}` in an env value names one of the node's own values."""
+    for key, value in env:
+        for name in _PLACEHOLDER.findall(value):
+            if name not in PLACEHOLDERS:
+                with at_key(key):
+                    msg = (f"@{{{name}}} is not a node value; use one of "
+                           f"{', '.join('@{' + p + '}' for p in PLACEHOLDERS)}")
+                    raise SchemaError(msg)
 
 
 def _port(value: object) -> int:
@@ -190,20 +251,57 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         owned = sorted(set(raw_args) & set(OWNED_ARGS))
         if owned:
             msg = (f"{', '.join(owned)} is set by m3patch from the topology (roles, nodes, "
-                   "local-dp, address, rpc-port, port); remove it here")
+                   "local-dp, address, rpc-port, port, the node's address, the router); remove "
+                   "it here")
             raise SchemaError(msg)
         vllm_args = flatten_vllm_args(raw_args)
+        connector = _connector(raw_args)
+    with at_key("router"):
+        router = expect_str(data.get("router", DEFAULT_ROUTER))
+    with at_key("kv-arrived"):
+        kv_arrived = None if data.get("kv-arrived") is None else expect_str(data["kv-arrived"])
     with at_key("env"):
         env = launch.env(expect_mapping(data.get("env", {})))
+        check_placeholders(env)
     with at_key("markers"):
         marker_gates = gates.markers(expect_mapping(data.get("markers", {})),
                                      source=f"{source} role {name}")
         if marker_gates.counts or marker_gates.waivers:
             msg = "a role states counts on its own markers (per worker); counts/waive are not allowed here"
             raise SchemaError(msg)
-    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers)
+    role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers, router,
+                kv_arrived, connector)
     _check_role(role)
+    if kind != "proxy" and "router" in data:
+        msg = "router: names the proxy's vllm-router; only a proxy role takes it"
+        raise SchemaError(msg)
+    if kind != "decode" and kv_arrived is not None:
+        msg = "kv-arrived: is the decode side's proof that KV arrived; only a decode role takes it"
+        raise SchemaError(msg)
     return role
+
+
+def _connector(raw_args: dict[str, Any]) -> str | None:
+    """The role's KV connector; its config must carry every key the connector reads with no
+    default, or the recipe is refused here, before any node starts."""
+    config = raw_args.get("kv-transfer-config")
+    if config is None:
+        return None
+    with at_key("kv-transfer-config"):
+        config = expect_mapping(config)
+        name = config.get("kv_connector")
+        if not isinstance(name, str):
+            msg = "kv_connector is missing (a connector class name, e.g. MoRIIOConnector)"
+            raise SchemaError(msg)
+        extra = config.get("kv_connector_extra_config", {})
+        with at_key("kv_connector_extra_config"):
+            extra = expect_mapping(extra)
+            missing = [k for k in REQUIRED_EXTRA.get(name, ()) if k not in extra]
+            if missing:
+                msg = (f"{name} reads {', '.join(missing)} with no default (vLLM 0.33); the "
+                       "server would fail at start. Add it here")
+                raise SchemaError(msg)
+    return name
 
 
 def _check_role(role: Role) -> None:
@@ -214,7 +312,7 @@ def _check_role(role: Role) -> None:
         msg = f"local-dp applies to data-parallel roles only, not {role.kind}"
         raise SchemaError(msg)
     if role.kind == "proxy" and (role.vllm_args or role.markers):
-        msg = "the proxy runs no vLLM: it takes no vllm-args or markers"
+        msg = "the proxy runs vllm-router, not vLLM: it takes no vllm-args or markers"
         raise SchemaError(msg)
 
 

@@ -29,7 +29,9 @@ from pathlib import Path
 from types import TracebackType
 
 from m3patch.bench import spec as bench_spec
-from m3patch.bench.cells import Cell
+from m3patch.bench.agentic.lmcache import row_servers
+from m3patch.bench.agentic.preflight import preflight as agentic_preflight
+from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
 from m3patch.bench.runner import (
     all_finished,
@@ -49,10 +51,11 @@ from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info, table
 from m3patch.patching.locate import VllmTree
+from m3patch.recipe.agentic import KvOffload
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
-from m3patch.recipe.regions import ServerGroup, server_groups
+from m3patch.recipe.server_groups import ServerGroup, server_groups
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
@@ -112,7 +115,7 @@ class RunPlan:
     recipe: Recipe
     run_dir: Path
     python: str
-    cells: tuple[Cell, ...]
+    cells: tuple[AnyCell, ...]
     settings: SweepSettings
     source: ServerSource
 
@@ -179,7 +182,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
     return RunPlan(recipe, run_dir, python, cells, settings, server_source(spec, run_dir, cells))
 
 
-def server_source(spec: RunSpec, run_dir: Path, cells: tuple[Cell, ...]) -> ServerSource:
+def server_source(spec: RunSpec, run_dir: Path, cells: tuple[AnyCell, ...]) -> ServerSource:
     if spec.resume and all_finished(run_dir, cells):
         return ServerSource.NONE
     return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
@@ -240,6 +243,10 @@ class RunPipeline:
         self.plan = plan_run(self.spec)
         self.plan.run_dir.mkdir(parents=True, exist_ok=True)
         where = f"{self.plan.recipe.name} (series {self.plan.recipe.series_dir}"
+        scenario = self.plan.recipe.sweep.agentic
+        if scenario is not None and self.plan.source is not ServerSource.NONE:
+            # First, being cheap: AIPerf at its pin, the trace offline, LMCache at its pin.
+            where += "; " + agentic_preflight(scenario, self.plan.recipe.path, self.plan.python)
         if self.plan.source is ServerSource.LAUNCHED:
             # Before apply-verify: a node without the weights fails here with the tree untouched.
             require_present(self.plan.recipe)
@@ -259,6 +266,12 @@ class RunPipeline:
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
             preflight(self.plan.recipe.eval, self.plan.recipe.path)
         return StepDone(where + ")")
+
+    def _kv_offload(self, group: ServerGroup) -> KvOffload | None:
+        """The KV-offload tier of an agentic group's cells (one tier per server form)."""
+        tiers = {c.kv_offload for c in self.planned.cells
+                 if isinstance(c, AgenticCell) and c.cell_id in group.cell_ids}
+        return tiers.pop() if len(tiers) == 1 else None
 
     def groups(self) -> tuple[ServerGroup, ...]:
         """The servers this run starts: one per distinct server form among its cells."""
@@ -297,9 +310,22 @@ class RunPipeline:
         return StepDone(session.ready_line() + warning_note(warnings), ("server.log", "serve.json"))
 
     def _start(self, group: ServerGroup, run_dir: Path) -> ServeSession:
-        checked = self.checks[group.index - 1] if len(self.checks) >= group.index else None
+        recipe = group.recipe
+        kv = self._kv_offload(group)
+        if kv is not None and kv.backend == "lmcache":
+            # One LMCache server per TP rank, healthy before vLLM starts; stopped after it.
+            scenario = recipe.sweep.agentic
+            assert scenario is not None
+            tp = recipe.parallelism.tp
+            logs = self._held.enter_context(row_servers(
+                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir))
+            info(f"{len(logs)} LMCache server(s) healthy (logs {run_dir})")
+        if 1 <= group.index <= len(self.checks):
+            checked = self.checks[group.index - 1]  # what the recipe step's check left owed
+        else:  # a server no group planned (the eval server's): checked the same way, now
+            checked = check_launch(recipe, self.planned.python, located=self.located, defer=True)
         return self._held.enter_context(ServeSession(
-            group.recipe, run_dir, python=self.planned.python, port=self.spec.port,
+            recipe, run_dir, python=self.planned.python, port=self.spec.port,
             echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256,
             launch_check=checked))
 
@@ -330,6 +356,15 @@ class RunPipeline:
         return StepDone(f"{len(groups)} server groups, each gated; {measured} cell(s) measured, "
                         f"{kept} kept", ("cells", "aggregate.json", "aggregate.csv", SERVERS_DIR))
 
+    def _eval_server(self) -> ServerHandle:
+        plan = self.planned
+        group = ServerGroup(0, plan.recipe, ())
+        session = self._start(group, plan.run_dir / SERVERS_DIR / "eval")
+        info(f"eval server: {session.ready_line()}")
+        target = BenchTarget(Path(session.python), session.base_url, session.model,
+                             session.tokenizer)
+        return ServerHandle(target, session.check_alive, bench_spec.SESSION_SERVER)
+
     def _external(self, base_url: str) -> ServerHandle:
         plan = self.planned
         model = plan.recipe.model
@@ -342,7 +377,8 @@ class RunPipeline:
         """Sweep the cells; the server is stopped when the sweep ends, passed or not."""
         plan = self.planned
         # An eval after the sweep needs the same server: the eval step stops it then.
-        keep = self._evaluates_after_sweep() and plan.source is not ServerSource.NONE
+        keep = (self._evaluates_after_sweep() and plan.source is not ServerSource.NONE
+                and plan.recipe.sweep.agentic is None)  # agentic: the eval starts its own
         with contextlib.nullcontext() if keep else self._held:
             if plan.source is ServerSource.NONE:
                 reaggregate(plan.recipe, plan.run_dir, plan.cells)
@@ -370,9 +406,15 @@ class RunPipeline:
         """The accuracy gate on the sweep's server; the server stops when this ends."""
         plan = self.planned
         assert plan.recipe.eval is not None, "only recipes with an eval section have this step"
-        with self._held if self._evaluates_after_sweep() else contextlib.nullcontext():
+        own = self._evaluates_after_sweep() or plan.recipe.sweep.agentic is not None
+        with self._held if own else contextlib.nullcontext():
             if plan.source is ServerSource.NONE:
                 return StepDone(SKIP_REASONS[plan.source], status=StepStatus.SKIPPED)
+            if self.server is None and plan.recipe.sweep.agentic is not None:
+                # The agentic servers ran the sweep's form (per concurrency, synthetic
+                # acceptance): the gate gets the recipe's own server, with real verification,
+                # as InferenceX's EVAL_ONLY job does.
+                self.server = self._eval_server()
             assert self.server is not None, "the serve step runs first"
             target = self.server.target
             provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)

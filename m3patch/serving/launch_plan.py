@@ -61,7 +61,9 @@ def series_markers(recipe: Recipe) -> tuple[mk.MarkerSpec, ...]:
     if series.target_version != recipe.target.vllm_version:
         msg = (f"{recipe.path}: target.vllm-version {recipe.target.vllm_version} but series "
                f"{series.id} targets {series.target_version}")
-        raise UsageError(msg, hint=f"point `series:` at patches/vllm-{recipe.target.vllm_version}")
+        raise UsageError(msg, hint=f"point `series:` at the series for vLLM "
+                         f"{recipe.target.vllm_version}: a shipped series' name as `m3patch "
+                         f"series list` prints it (vllm-{recipe.target.vllm_version}) or its folder")
     return series.markers_for(recipe.target.platform)
 
 

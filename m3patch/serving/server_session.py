@@ -191,6 +191,8 @@ class ServeSession:
             "env": dict(self.plan.env_overrides), "base_url": self.base_url,
             "ready_s": self.ready_s, "exit_status": self.exit_status,
             "markers": {m.id: checker.counts.get(m.id, 0) for m in self.plan.markers},
+            # what the server printed after m3patch's stop mark (its shutdown): never judged
+            "markers_after_stop": dict(checker.after_stop),
             "warnings": self.warnings_json(),
             "violation": None if self.supervisor.violation is None
             else self.supervisor.violation.where(str(self.log_path)),

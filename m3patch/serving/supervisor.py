@@ -5,6 +5,9 @@
   (serving.processes.stop_group, with this module's grace periods).
 - A reader thread copies every byte of output to the run's log file, feeds the marker checker,
   echoes lines for the live view, and on a forbidden marker interrupts the server at once.
+- `stop()` first writes the stop mark (markers.STOP_MARK) into the log, under the same lock as
+  the reader, so what the shutdown prints (vLLM logs EngineDeadError when its in-flight requests
+  are aborted) is never judged: not live, not in serve.json, not by `markers check` later.
 - Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
   `/health` and then dies on the first request, so health alone proves nothing.
 """
@@ -64,8 +67,10 @@ class Supervisor:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        self._log: BinaryIO | None = None  # open while the reader copies output into it
         self._stopping = False  # after we ask it to stop, shutdown noise is not a violation
         checker.on_line = self._on_line
+        checker.marks_in_stream = False  # only the mark stop() writes ends the judging
 
     @property
     def pgid(self) -> int:
@@ -88,6 +93,7 @@ class Supervisor:
             log.close()
             msg = f"cannot start {self.spec.argv[0]}: {exc.strerror}"
             raise ServerExited(msg, hint=self.spec.fix_hint) from None
+        self._log = log
         self._reader = threading.Thread(target=self._pump, args=(log,), daemon=True)
         self._reader.start()
 
@@ -96,15 +102,23 @@ class Supervisor:
         fd = self.proc.stdout.fileno()
         with log:
             while chunk := os.read(fd, 65536):
-                log.write(chunk)
-                log.flush()
-                self._consume(chunk)
+                with self._lock:  # the log and the checker see the same bytes in one order
+                    log.write(chunk)
+                    log.flush()
+                    self._record(self.checker.feed(chunk))
             with self._lock:
                 self._record(self.checker.finish())
+                self._log = None
 
-    def _consume(self, chunk: bytes) -> None:
+    def _mark_stop(self) -> None:
+        """The stop mark, into the log and the checker together (nothing once output ended)."""
         with self._lock:
-            self._record(self.checker.feed(chunk))
+            if self._log is None:
+                return
+            data = self.checker.mark_stop()
+            with contextlib.suppress(OSError):  # a full disk must not keep the server running
+                self._log.write(data)
+                self._log.flush()
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
@@ -165,12 +179,24 @@ class Supervisor:
 
     def _probe(self, deadline: float) -> bool:
         timeout = max(0.5, min(self.spec.request_deadline_s, deadline - time.monotonic()))
-        if _http(f"{self.spec.base_url}/health", None, min(timeout, 5.0)) is None:
+        if not _ok(f"{self.spec.base_url}/health", min(timeout, 5.0)):
             return False
         body = {"model": self.spec.served_model, "prompt": "m3patch readiness probe",
                 "max_tokens": 4, "temperature": 0}
         reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout)
         return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
+    def complete(self, prompt: str, timeout_s: float) -> bool:
+        """One 4-token greedy completion of `prompt`; whether it came back with a choice."""
+        body = {"model": self.spec.served_model, "prompt": prompt, "max_tokens": 4,
+                "temperature": 0}
+        reply = _http(f"{self.spec.base_url}/v1/completions", body, timeout_s)
+        return bool(reply and isinstance(reply.get("choices"), list) and reply["choices"])
+
+    def answers(self, timeout_s: float) -> bool:
+        """One liveness probe: /health and a 4-token greedy completion, each bounded by
+        `timeout_s`. A hung engine keeps /health at 200; only a completion shows it."""
+        return self._probe(time.monotonic() + timeout_s)
 
     def check_alive(self) -> None:
         """During a sweep: a forbidden marker or a dead server ends the run."""
@@ -188,6 +214,8 @@ class Supervisor:
         if self.proc is None:
             return None
         self._stopping = True
+        if self.proc.poll() is None:
+            self._mark_stop()
         status = stop_group(self.proc, STOP_LADDER)
         self._join_reader()
         return status
@@ -207,6 +235,15 @@ def _require_free_port(base_url: str) -> None:
             return
     msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
     raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
+
+
+def _ok(url: str, timeout: float) -> bool:
+    """GET answered 200, whatever the body (vLLM's /health is empty, vllm-router's plain text)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _http(url: str, body: dict[str, object] | None, timeout: float) -> dict[str, object] | None:

@@ -311,7 +311,7 @@ def generate_spec(root: Path, python: str, version: str) -> bytes:
     dump = run_probe(python, None, {**env, "PYTHONPATH": str(root.resolve()),
                                     "PYTHONNOUSERSITE": "1", "VLLM_TARGET_DEVICE": "cpu"},
                      spec=True)
-    fix = f"pass `--spec-python` an interpreter with vLLM {version}'s dependencies"
+    fix = f"pass `series lock --python PATH` an interpreter with vLLM {version}'s dependencies"
     if isinstance(dump.get("no_vllm"), str):
         msg = f"{python} cannot import the tree at {root}: {dump['no_vllm']}"
         raise LaunchRejected(msg, hint=fix)

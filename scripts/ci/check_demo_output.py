@@ -6,7 +6,8 @@ Stdlib only (it runs beside a fresh tool venv, not inside it). Passes when the l
 per-GPU results table with one line per cell of the run's aggregate, every decode figure in it is
 either a measurement at or above the burst floor or says "n/a (...)", the job reported success,
 and the run folder it named holds the server log, per-cell files, aggregate JSON/CSV, both plots,
-the ledger, ci.json and the accuracy gate's eval.json (with its score line in the log).
+the ledger, ci.json and the accuracy gate's eval.json (with its score line in the log), and that
+gate passed a score well above zero against a floor above zero (the trained tiny model).
 Exit 0 on pass, 1 with one line per problem otherwise.
 """
 
@@ -53,6 +54,19 @@ def table_problems(lines: list[str], rows: list[dict[str, object]]) -> list[str]
     return problems
 
 
+def gate_problems(path: Path) -> list[str]:
+    """The gate must mean something: a real floor, met by a real score."""
+    try:
+        (task,) = json.loads(path.read_text())["tasks"]
+        score, floor = float(task["score"]), float(task["min"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{path}: no single task with a score and a floor"]
+    if not 0.0 < floor <= score:
+        return [f"{path}: the accuracy gate scored {score:.4f} against a floor of {floor:g} "
+                "(a trained model scores well above a floor above zero)"]
+    return []
+
+
 def main() -> int:
     if len(sys.argv) != 2:
         print("usage: python3 scripts/ci/check_demo_output.py DEMO_LOG", file=sys.stderr)
@@ -74,6 +88,7 @@ def main() -> int:
                 if not any(p.is_file() for p in run_dir.rglob(name))]  # plots live in plots/
     if not any(EVAL_LINE.search(line) for line in lines):
         problems.append("the accuracy gate printed no 'eval tiny_arith: ... over 32 samples (ok' line")
+    problems += gate_problems(run_dir / "eval" / "eval.json")
     cells = sorted((run_dir / "cells").glob("*.json"))
     if not cells:
         problems.append(f"run folder {run_dir}: no cells/*.json")

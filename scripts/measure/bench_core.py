@@ -2,6 +2,12 @@
 and of `m3patch --version`. Targets: <= 0.5 s and <= 150 ms on the 2-core CI machine.
 
 Usage: python scripts/measure/bench_core.py [--runs N] [--out docs/results/bench_core.json]
+       python scripts/measure/bench_core.py --release [--release-runs N] [--before DIR]
+              [--out docs/results/bench_release.json]
+
+`--release` times the whole-release apply instead (bench_release.py: the vLLM 0.32.0 -> 0.33.0
+difference as a series, m3patch apply and verify, cold and warm, against `git apply`; with
+`--before DIR` a second checkout of m3patch, e.g. main, in the same run).
 
 Uses the full real series (patches/vllm-0.33.0, locked into a temp copy from the pristine
 wheel); falls back to tests/data/test-series when that series does not lock, and says so.
@@ -87,7 +93,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bench_core.json")
+    parser.add_argument("--release", action="store_true",
+                        help="time the whole-release apply against git apply instead")
+    parser.add_argument("--release-runs", type=int, default=3)
+    parser.add_argument("--before", type=Path, metavar="DIR",
+                        help="--release: also time the m3patch checkout in DIR (e.g. main)")
     args = parser.parse_args()
+    if args.release:
+        return release(args)
     with tempfile.TemporaryDirectory(prefix="m3patch-bench-") as tmp:
         work = Path(tmp)
         series, series_label = pick_series(work)
@@ -134,6 +147,34 @@ def main() -> int:
         text = text.replace(path, name)
     args.out.write_text(text + "\n")
     print(f"wrote {args.out}")
+    return 0
+
+
+def release(args: argparse.Namespace) -> int:
+    from bench_release import print_rows, release_rows
+
+    codes = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="m3patch-release-") as tmp:
+        counts, rows = release_rows(Path(tmp), args.release_runs, codes)
+    print_rows(counts, rows)
+    out = args.out if args.out != REPO / "docs" / "results" / "bench_core.json" else (
+        REPO / "docs" / "results" / "bench_release.json")
+    report = {"series": counts, "python": sys.version.split()[0],
+              "command": "python scripts/measure/bench_core.py " + " ".join(sys.argv[1:]).replace(
+                  str(args.before), "BEFORE_DIR"),
+              "code": {k: ("this checkout" if v == REPO else "--before checkout")
+                       for k, v in codes.items()},
+              "machine": f"{platform.platform()} ({os.cpu_count()} cores, shared with other "
+                         "jobs: see load_avg)", "cpus": os.cpu_count(),
+              "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    text = json.dumps(report, indent=2, allow_nan=False)
+    for path, name in ((str(REPO) + "/", ""), (str(Path.home()), "~")):
+        text = text.replace(path, name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Write the shipped local eval task's data: recipes/evals/tiny_arith/tiny_arith.json.
 
-Thirty-two two-operand sums with exact integer answers, from a fixed seed, so the file is the
+Thirty-two sums of two two-digit numbers with exact integer answers, from a fixed seed, so the file is the
 same on every run (the committed copy is what lm-eval reads; rerun only to change the set):
 
     python3 scripts/setup/make_tiny_arith.py
@@ -21,8 +21,8 @@ def questions(count: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        rows.append({"question": f"What is {a} plus {b}?", "answer": str(a + b)})
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
     return rows
 
 

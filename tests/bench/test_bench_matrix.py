@@ -66,7 +66,15 @@ def test_cli_over_every_shipped_recipe(capsys: pytest.CaptureFixture[str]) -> No
     assert out.count("\n") == 1  # one line, as $GITHUB_OUTPUT needs
     jobs = json.loads(out)["include"]
     assert {Path(j["recipe"]).name for j in jobs} == {Path(r).name for r in recipes}
+    agentic = [j for j in jobs if j.get("scenario-type") == "agentic-coding"]
+    # InferenceX's agentic entries: one job per concurrency, the tier and duration named.
+    mi300x = [(j["kv-offloading"], j["conc"]) for j in agentic if j["name"] == "mi300x_agentic_mtp"]
+    assert mi300x == [("none", 2), ("none", 4), ("none", 6), ("none", 8), ("none", 10), ("dram", 16)]
+    assert {j["kv-offload-backend"]["name"] for j in agentic if j["kv-offloading"] == "dram"} == {
+        "lmcache"}
     for job in jobs:
+        if job in agentic:
+            continue
         assert job["max-model-len"] == job["isl"] + job["osl"] + 256
         if job["ep"] == 1 and job["dp"] == 1 and not job["dp-attn"]:
             starts = [j["conc"] for j in jobs if j["recipe"] == job["recipe"]
@@ -122,3 +130,20 @@ def test_bench_only_accepts_every_cell_the_matrix_prints(
     for late in (late_tp, late_ep):  # exactly the rows' concurrencies, TP-only or not
         assert [i.rsplit("-", 1)[1] for i in _matrix_cell_ids(late, capsys)] == [
             "c2", "c4", "c4", "c8"]
+
+
+def test_matrix_output_travels_to_another_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A recipe given by name stays that name, a relative path stays relative, and the model
+    keeps `~` as the recipe writes it: the jobs run on machines other than the one that made
+    the matrix."""
+    data = yaml.safe_load((REPO / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.33.0")
+    data["model"] = {"source": "~/models/MiniMax-M3", "served-name": "m3"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    assert main(["matrix", "--per", "recipe", "mi300x_tp8", "mine.yaml"]) == 0
+    jobs = json.loads(capsys.readouterr().out)["include"]
+    assert [(j["recipe"], j["model"]) for j in jobs] == [
+        ("mi300x_tp8", "MiniMaxAI/MiniMax-M3-MXFP8"), ("mine.yaml", "~/models/MiniMax-M3")]
+    assert str(Path.home()) not in json.dumps(jobs) and str(REPO) not in json.dumps(jobs)

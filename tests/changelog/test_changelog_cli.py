@@ -13,6 +13,7 @@ from changelog_repo import FILE, REPO, GitRepo, entry, make_repo
 
 from m3patch.changelog import CheckInput, check
 from m3patch.changelog.sources import WorkTreeReader, build_catalog
+from m3patch.main import main
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +62,34 @@ def test_json_report(repo: GitRepo, capsys: pytest.CaptureFixture[str], tmp_path
     data = json.loads(report.read_text())
     assert data["new_recipes"] == ["recipes/cpu_tiny_moe.yaml", "recipes/mi300x_tp8.yaml"]
     assert data["new_entries"] == [1, 7]
+
+
+def test_json_spellings_match_the_other_commands(repo: GitRepo, capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    """`--json` alone prints the report on stdout (as apply/status/bench do); `--json-file FILE`
+    writes it; `--json FILE`, the older spelling, still writes it."""
+    repo.write(entry(key="cpu_tiny_moe"))
+    assert main(["changelog", "check", "--repo", REPO, "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["new_recipes"] == ["recipes/cpu_tiny_moe.yaml"]
+    for flag in ("--json-file", "--json"):
+        report = tmp_path / f"{flag}.json"
+        assert repo.check(capsys, flag, str(report))[0] == 0
+        assert json.loads(report.read_text())["passed"] is True
+
+
+def test_eval_task_files_under_recipes_are_no_recipes(
+        repo: GitRepo, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """An eval task (recipes/evals/NAME/NAME.yaml) is no recipe: a glob does not select it and
+    it is never suggested."""
+    repo.write("task: tiny_arith\n", "recipes/evals/tiny_arith/tiny_arith.yaml")
+    repo.write(entry(key='"*"'))  # quoted: a bare * is a YAML alias
+    report = tmp_path / "r.json"
+    assert repo.check(capsys, "--json-file", str(report))[0] == 0
+    assert json.loads(report.read_text())["new_recipes"] == [
+        "recipes/cpu_tiny_moe.yaml", "recipes/mi300x_tp8.yaml"]
+    repo.write(entry(key="evals/tiny_arith/tiny_arith"))
+    assert repo.check(capsys)[0] == 16
 
 
 def test_cli_subprocess_exit_codes(repo: GitRepo) -> None:

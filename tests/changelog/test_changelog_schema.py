@@ -89,8 +89,11 @@ def test_root_not_a_list(repo: GitRepo, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_recipe_that_does_not_exist(repo: GitRepo, capsys: pytest.CaptureFixture[str]) -> None:
     out = fails(repo, capsys, entry(key="mi355x_tp4"))
-    assert (f"{FILE}:1: config-keys: 'mi355x_tp4' matches no recipe under recipes/"
-            " (known: cpu_tiny_moe, mi300x_tp8)") in out
+    assert f"{FILE}:1: config-keys: 'mi355x_tp4' matches no recipe under recipes/." in out
+    assert "cpu_tiny_moe" not in out  # the nearest name only, never a list of every recipe
+    out = fails(repo, capsys, entry(key="mi300x_tp9"))
+    assert "matches no recipe under recipes/. Perhaps you meant 'mi300x_tp8'?" in out
+    assert "lists the 2 recipe(s)" in out
 
 
 def test_globs_must_match(repo: GitRepo, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import set_records
 
-from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.local_launcher import TEARDOWN_S
 from m3patch.recipe.topology import NodeId
 from m3patch.serving.processes import group_members
@@ -76,7 +76,8 @@ def test_a_node_on_another_tree_fails_the_set_with_25(cpu_venv: Path, tiny_model
                                                  f"series: {other_series(tmp_path)}"))
     site = other_tree(cpu_venv, tmp_path)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "M3PATCH_CPU_VENV": str(cpu_venv), "M3PATCH_TINY_MODEL": str(tiny_model)}
+    env = {**os.environ, "M3PATCH_CPU_VENV": str(cpu_venv), "M3PATCH_TINY_MODEL": str(tiny_model),
+           "M3PATCH_SET_ID": "set-mismatch"}  # one set: every node carries its identity
     node_env = {**env, "M3PATCH_VLLM_ROOT": str(site), "PYTHONPATH": str(site)}
     node_err, head_err = tmp_path / "node.err", tmp_path / "head.err"
     node = start_node(recipe, "node", run_dir, node_env, node_err)
@@ -93,7 +94,7 @@ def test_a_node_on_another_tree_fails_the_set_with_25(cpu_venv: Path, tiny_model
                 proc.wait()
     err = head_err.read_text()
     assert (run_dir / "logs").is_dir(), err
-    records = rv.read_records(run_dir)
+    records = set_records(run_dir)
     assert head.returncode == 25, err + node_err.read_text()
     head_tree, node_tree = records[HEAD].tree_sha256, records[NODE].tree_sha256
     assert head_tree and node_tree and head_tree != node_tree

@@ -1,9 +1,10 @@
-"""The Slurm launcher for real: a two-node loopback cluster (Debian slurm-wlm + munge,
-scripts/testbed/slurm_loopback.sh), the DP recipe's sbatch job (one `serve --role/--rank` task per
-node, `srun --kill-on-bad-exit`), a request through the head, and a killed node ending the whole
-job within the deadline with no process left (~100 s here, in CI); and, `extended`, the sweep
-through Slurm: from the batch step once the head is ready, and as an array job of one task per
-cell against a running set ended by scancel, both aggregating as a local run does. On a dev
+"""The Slurm launcher for real: a two-node cluster across network namespaces (Debian slurm-wlm +
+munge, scripts/testbed/slurm_netns.sh: one slurmd per namespace of the test bed, NodeAddr its address),
+the DP recipe's sbatch job as `serve --write-sbatch` writes it (no folder made by hand; one
+`serve --role/--rank` task per node, `srun --kill-on-bad-exit`), the nodes on their own
+addresses, a request from the machine through the head's address, and a killed node ending the
+whole job within the deadline with no process left (in CI); and, `extended`, the sweep from the
+batch step once the head is ready, aggregating as a local run does. On a dev
 machine without Slurm (or not root) they skip with the reason; in CI they fail instead: .ci/run
 installs slurm-wlm + munge beside the venv setup and sets M3PATCH_CI_SLURM to a folder where it
 writes the install's exit status (`rc`) and log, which the fixture waits for. Run under
@@ -23,10 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_helpers import Bed, set_records
 
 from m3patch.bench.runner import check_results, select_cells
 from m3patch.cluster import rendezvous as rv
-from m3patch.cluster.slurm import sbatch_script, sweep_array_script
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.topology import NodeId
 from m3patch.serving.processes import group_members
@@ -62,7 +63,7 @@ def ci_install_status() -> Path | None:
 
 
 @pytest.fixture
-def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
+def slurm(tmp_path: Path, netns_bed: Bed) -> Iterator[dict[str, str]]:
     # In CI a missing Slurm is a failure (CI installed it), elsewhere a skip with the reason.
     absent = pytest.fail if ci_install_status() is not None else pytest.skip
     missing = [t for t in ("sbatch", "slurmctld", "slurmd", "munged") if shutil.which(t) is None
@@ -71,11 +72,16 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
         absent(f"Slurm is not installed ({', '.join(missing)} missing): "
                "apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
-        absent("the loopback Slurm cluster needs root (slurmd, cgroups)")
-    script = REPO / "scripts" / "testbed" / "slurm_loopback.sh"
-    start = subprocess.run(["bash", str(script), "start", str(tmp_path / "slurm")],
-                           capture_output=True, text=True, timeout=120, check=False)
-    assert start.returncode == 0, start.stderr
+        absent("the Slurm cluster needs root (slurmd, cgroups)")
+    script = REPO / "scripts" / "testbed" / "slurm_netns.sh"
+    try:
+        start = subprocess.run(["bash", str(script), "start", str(tmp_path / "slurm"),
+                                netns_bed.name, netns_bed.subnet],
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert start.returncode == 0, start.stderr
+    except BaseException:
+        subprocess.run(["bash", str(script), "stop", str(tmp_path / "slurm")], check=False)
+        raise
     env = {**os.environ, "SLURM_CONF": start.stdout.strip()}
     try:
         yield env
@@ -91,9 +97,20 @@ def squeue(env: dict[str, str], job: str) -> str:
 
 
 def job_env(slurm: dict[str, str], cpu_venv: Path, tiny_model: Path) -> dict[str, str]:
-    return {**slurm, "M3PATCH_CMD": f"{sys.executable} -m m3patch", "PYTHONPATH": str(REPO),
-            "M3PATCH_HEAD_ADDR": "127.0.0.1", "M3PATCH_CPU_VENV": str(cpu_venv),
-            "M3PATCH_TINY_MODEL": str(tiny_model)}
+    env = {**slurm, "M3PATCH_CMD": f"{sys.executable} -m m3patch", "PYTHONPATH": str(REPO),
+           "M3PATCH_CPU_VENV": str(cpu_venv), "M3PATCH_TINY_MODEL": str(tiny_model)}
+    for name in ("M3PATCH_HEAD_ADDR", "M3PATCH_SET_ID", "VLLM_HOST_IP"):
+        env.pop(name, None)  # the job finds the head's address and its set id itself
+    return env
+
+
+def write_job(recipe: Path, run_dir: Path, path: Path) -> str:
+    """The job exactly as `serve --write-sbatch` writes it (it also makes RUN/logs)."""
+    proc = subprocess.run([sys.executable, "-m", "m3patch", "serve", str(recipe),
+                           "--write-sbatch", str(path), "--run-dir", str(run_dir)],
+                          cwd=REPO, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return path.read_text()
 
 
 def submit(script: str, path: Path, env: dict[str, str]) -> str:
@@ -109,12 +126,12 @@ def tail_logs(run_dir: Path) -> str:
 
 def wait_head_ready(slurm: dict[str, str], job: str, run_dir: Path) -> dict[NodeId, rv.NodeRecord]:
     deadline = time.monotonic() + READY_WAIT_S
-    head = rv.record_path(run_dir, NodeId("head", 0))
+    head = rv.record_path(run_dir, f"slurm-{job}.0", NodeId("head", 0))
     while not (head.exists() and '"state": "ready"' in head.read_text()):
         assert squeue(slurm, job), f"job {job} ended before ready:\n{tail_logs(run_dir)}"
         assert time.monotonic() < deadline, tail_logs(run_dir)
         time.sleep(2.0)
-    return rv.read_records(run_dir)
+    return set_records(run_dir)
 
 
 def wait_gone(slurm: dict[str, str], job: str, limit_s: float, run_dir: Path) -> float:
@@ -132,24 +149,28 @@ def assert_no_process_left(pgids: list[int]) -> None:
         assert group_members(pgid) == [], f"process group {pgid} outlived the job"
 
 
-def test_sbatch_dp_set_and_a_killed_rank_ends_the_job(slurm: dict[str, str], cpu_venv: Path,
-                                                      tiny_model: Path, tmp_path: Path) -> None:
+def test_sbatch_dp_set_and_a_killed_rank_ends_the_job(slurm: dict[str, str], netns_bed: Bed,
+                                                      cpu_venv: Path, tiny_model: Path,
+                                                      tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    (run_dir / "logs").mkdir(parents=True)
     env = job_env(slurm, cpu_venv, tiny_model)
-    job = submit(sbatch_script(load_recipe(RECIPE), run_dir, sweep=False), tmp_path / "job.sbatch",
-                 env)
+    script = write_job(RECIPE, run_dir, tmp_path / "written.sbatch")
+    job = submit_without_sweep(script, tmp_path, env)
     try:
         records = wait_head_ready(slurm, job, run_dir)
         pgids = [r.pgid for r in records.values() if r.pgid is not None]
-        assert records[NodeId("node", 0)].ledger_sha256 == records[NodeId("head", 0)].ledger_sha256
+        head, node = records[NodeId("head", 0)], records[NodeId("node", 0)]
+        # one slurmd per namespace: the head task ran on n2 (10.x.y.11), the node on n1
+        assert (node.host, head.host) == ("n1", "n2")
+        assert (node.address, head.address) == (netns_bed.address(0), netns_bed.address(1))
+        assert node.ledger_sha256 == head.ledger_sha256
         body = json.dumps({"model": "tiny-moe", "prompt": "Hello", "max_tokens": 4,
                            "temperature": 0}).encode()
-        request = urllib.request.Request("http://127.0.0.1:8775/v1/completions", data=body,
+        request = urllib.request.Request(f"http://{head.address}:8775/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as reply:
             assert json.loads(reply.read())["choices"]
-        victim = records[NodeId("node", 0)].pgid
+        victim = node.pgid
         assert victim is not None
         os.killpg(victim, signal.SIGKILL)
         took = wait_gone(slurm, job, JOB_END_S + 60, run_dir)
@@ -157,6 +178,14 @@ def test_sbatch_dp_set_and_a_killed_rank_ends_the_job(slurm: dict[str, str], cpu
         assert_no_process_left(pgids)
     finally:
         subprocess.run(["scancel", job], env=slurm, check=False, capture_output=True)
+
+
+def submit_without_sweep(script: str, tmp_path: Path, env: dict[str, str]) -> str:
+    """The written job with its sweep left out (the set only): everything up to the sweep as
+    written, then wait for srun."""
+    head, sep, _sweep = script.partition("# The sweep runs from the batch step")
+    assert sep, "the written job has no sweep section"
+    return submit(head + 'wait "$SET"\n', tmp_path / "job.sbatch", env)
 
 
 def small_sweep_recipe(tmp_path: Path) -> Path:
@@ -185,7 +214,7 @@ def assert_aggregated(bench_dir: Path, cells: list[str], logs: str) -> None:
     assert (bench_dir / "aggregate.csv").is_file()
 
 
-@pytest.mark.extended  # two set starts and two small sweeps on the Slurm cluster: ~6-10 min
+@pytest.mark.extended  # a set start and a small sweep on the Slurm cluster: ~5 min
 def test_sbatch_sweeps_aggregate_as_a_local_run(slurm: dict[str, str], cpu_venv: Path,
                                                 tiny_model: Path, tmp_path: Path) -> None:
     recipe = load_recipe(small_sweep_recipe(tmp_path))
@@ -195,8 +224,8 @@ def test_sbatch_sweeps_aggregate_as_a_local_run(slurm: dict[str, str], cpu_venv:
     # 1. The job's own sweep: from the batch step once the head is ready, then the set stops
     #    and the job ends by itself.
     run1 = tmp_path / "run1"
-    (run1 / "logs").mkdir(parents=True)
-    job = submit(sbatch_script(recipe, run1), tmp_path / "job1.sbatch", env)
+    job = submit(write_job(recipe.path, run1, tmp_path / "job1.sbatch"), tmp_path / "job1.sbatch",
+                 env)
     try:
         records = wait_head_ready(slurm, job, run1)
         pgids = [r.pgid for r in records.values() if r.pgid is not None]
@@ -204,23 +233,5 @@ def test_sbatch_sweeps_aggregate_as_a_local_run(slurm: dict[str, str], cpu_venv:
     finally:
         subprocess.run(["scancel", job], env=slurm, check=False, capture_output=True)
     assert_aggregated(run1 / "bench", cells, tail_logs(run1))
-    assert {r.state for r in rv.read_records(run1).values()} == {"exited"}
-    assert_no_process_left(pgids)
-    # 2. The array fan-out: one array task per cell against a running set, then a clean scancel.
-    run2 = tmp_path / "run2"
-    (run2 / "logs").mkdir(parents=True)
-    job = submit(sbatch_script(recipe, run2, sweep=False), tmp_path / "job2.sbatch", env)
-    try:
-        records = wait_head_ready(slurm, job, run2)
-        pgids = [r.pgid for r in records.values() if r.pgid is not None]
-        array = submit(sweep_array_script(recipe, run2, cells, "http://127.0.0.1:8775"),
-                       tmp_path / "sweep.sbatch", env)
-        wait_gone(slurm, array, SWEEP_S, run2)
-        assert_aggregated(run2 / "bench", cells, tail_logs(run2))
-        assert {r.state for r in rv.read_records(run2).values()} == {"ready"}  # the set held
-        subprocess.run(["scancel", job], env=slurm, check=True, capture_output=True)
-        took = wait_gone(slurm, job, JOB_END_S + 60, run2)
-        assert took < JOB_END_S, f"scancel took {took:.0f} s to end the job"
-    finally:
-        subprocess.run(["scancel", job], env=slurm, check=False, capture_output=True)
+    assert {r.state for r in set_records(run1).values()} == {"exited"}
     assert_no_process_left(pgids)

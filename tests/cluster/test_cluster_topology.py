@@ -4,6 +4,7 @@ records read back as hostile input and compared (pure; no server)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,16 +14,16 @@ import yaml
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.node_plan import plan_node, plan_set
-from m3patch.cluster.proxy import prefill_body
-from m3patch.cluster.slurm import sbatch_script, sweep_array_script, task_table
+from m3patch.cluster.slurm import sbatch_script, task_table
 from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.recipe.loader import load_recipe
-from m3patch.recipe.topology import NodeId
+from m3patch.recipe.topology import REQUIRED_EXTRA, NodeId
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]
 DP2 = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
 DIGEST = "ab" * 32
+SET = "set-test"
 
 
 def variant(tmp_path: Path, edit: dict[str, object], base: Path = DP2) -> Path:
@@ -97,7 +98,8 @@ def test_recipe_level_counts_are_refused_with_a_topology(tmp_path: Path) -> None
 
 
 def record(role: str, **kw: object) -> rv.NodeRecord:
-    fields: dict[str, object] = {"role": role, "rank": 0, "host": "h", "pid": 1, "pgid": 2,
+    fields: dict[str, object] = {"set_id": SET, "role": role, "rank": 0, "host": "h",
+                                 "address": "10.0.0.1", "pid": 1, "pgid": 2,
                                  "series": "vllm-0.32.0", "ledger_sha256": DIGEST,
                                  "tree_sha256": DIGEST, "verified": True, "state": "ready"}
     fields.update(kw)
@@ -106,17 +108,17 @@ def record(role: str, **kw: object) -> rv.NodeRecord:
 
 def test_rendezvous_round_trip_and_compare(tmp_path: Path) -> None:
     rv.publish(tmp_path, record("node"))
-    records = rv.read_records(tmp_path)
+    records = rv.read_records(tmp_path, SET, (NodeId("node", 0), NodeId("late", 0)))
     expected = (NodeId("node", 0), NodeId("late", 0))
     assert rv.compare(expected, records, "vllm-0.32.0", DIGEST, "fix") == [NodeId("late", 0)]
     with pytest.raises(NodeMismatch, match=r"node node/0 .* runs series vllm-0.32.0 tree sha256:abab"):
         rv.compare(expected, records, "vllm-0.32.0", "cd" * 32, "fix")
     rv.publish(tmp_path, record("node", verified=False))
     with pytest.raises(NodeMismatch, match="did not verify"):
-        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+        rv.compare(expected, rv.read_records(tmp_path, SET, expected), "vllm-0.32.0", DIGEST, "fix")
     rv.publish(tmp_path, record("node", state="exited", exit_code=18, reason="died"))
     with pytest.raises(NodeLost, match=r"node node/0 .* exited with status 18: died"):
-        rv.compare(expected, rv.read_records(tmp_path), "vllm-0.32.0", DIGEST, "fix")
+        rv.compare(expected, rv.read_records(tmp_path, SET, expected), "vllm-0.32.0", DIGEST, "fix")
 
 
 def test_tree_digest_ignores_only_the_apply_time() -> None:
@@ -139,18 +141,11 @@ def test_tree_digest_ignores_only_the_apply_time() -> None:
 ])
 def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> None:
     rv.publish(tmp_path, record("node"))
-    path = rv.record_path(tmp_path, NodeId("node", 0))
+    path = rv.record_path(tmp_path, SET, NodeId("node", 0))
     data = {**json.loads(path.read_text()), **bad}
     path.write_text(json.dumps(data))
     with pytest.raises(ResultsInvalid):
-        rv.read_records(tmp_path)
-
-
-def test_proxy_prefill_request_is_one_token_without_streaming() -> None:
-    body = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
-    assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False}
-    assert body["max_tokens"] == 50  # the decode request is the original
+        rv.read_records(tmp_path, SET, (NodeId("node", 0),))
 
 
 def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
@@ -158,18 +153,13 @@ def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:
     assert task_table(recipe) == [("node", 0), ("head", 0)]
     script = sbatch_script(recipe, Path("/shared/run"))
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
-    assert "srun --kill-on-bad-exit=1 --ntasks=2" in script
+    assert "srun $M3PATCH_SRUN_ARGS --kill-on-bad-exit=1 --ntasks=2" in script
     assert '--output="$RUN/logs/task-%t.out"' in script
     assert "roles=(node:0 head:0)" in script
-    assert 'exec $M3PATCH_CMD serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
+    assert 'm3patch_exec $M3PATCH_CMD serve "$RECIPE" --role "${pair%%:*}" --rank "${pair##*:}"' in script
     assert 'source "${M3PATCH_SITE_HOOK}"' in script
-    assert '"$RUN/nodes/head-0.json"' in script and '$M3PATCH_CMD bench "$RECIPE"' in script
-    array = sweep_array_script(recipe, Path("/shared/run"), ["a", "b", "c"], "http://h:8775")
-    assert "#SBATCH --array=0-2%1" in array and "cells=(a b c)" in array  # one cell at a time
-    assert '--only "${cells[$SLURM_ARRAY_TASK_ID]}"' in array
-    # the last task aggregates every cell (bench without --only), not just its own
-    tail = array.split('if [ "$SLURM_ARRAY_TASK_ID" -eq 2 ]; then', 1)[1]
-    assert "--resume" in tail and "--only" not in tail
+    assert 'HEAD_RECORD="$RUN/nodes/$M3PATCH_SET_ID/head-0.json"' in script
+    assert 'm3patch_exec $M3PATCH_CMD bench "$RECIPE" --url "http://$HEAD_IP:8775"' in script
     assert 'kill -TERM "$SET"' in script  # srun forwards TERM; one INT only prints task states
 
 
@@ -188,14 +178,42 @@ def test_topologies_render_every_node(name: str) -> None:
         assert f"# node {node} " in proc.stdout
 
 
+def test_a_moriio_config_without_a_key_vllm_needs_is_refused(tmp_path: Path) -> None:
+    data = yaml.safe_load((REPO / "recipes" / "mi355x_tp4_pd.yaml").read_text())
+    extra = data["topology"]["roles"]["decode"]["vllm-args"]["kv-transfer-config"]
+    del extra["kv_connector_extra_config"]["http_port"]
+    with pytest.raises(SchemaError, match="MoRIIOConnector reads http_port with no default"):
+        load_recipe(variant(tmp_path, data, base=REPO / "recipes" / "mi355x_tp4_pd.yaml"))
+
+
+def test_connector_keys_without_default_match_vllm_033(pristine_033: Path) -> None:
+    """REQUIRED_EXTRA is what vLLM 0.33.0's MoRIIO and NIXL code reads as extra_config[KEY]
+    (no default); read from the real tree, so a new required key fails here."""
+    v1 = pristine_033 / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    bare = re.compile(r"extra_config\[\s*[\"'](\w+)[\"']\s*\]")
+    for connector, folder in (("MoRIIOConnector", "moriio"), ("NixlConnector", "nixl")):
+        code = "\n".join(line.split("#", 1)[0] for f in sorted((v1 / folder).glob("*.py"))
+                         for line in f.read_text().splitlines())
+        read = set(bare.findall(code))
+        # MoRIIO's own __init__ fills handshake_port / notify_port when absent, but
+        # moriio_common reads all three bare; the table requires every one
+        assert read <= set(REQUIRED_EXTRA.get(connector, ())), (connector, read)
+        assert set(REQUIRED_EXTRA.get(connector, ())) <= read, connector
+    assert "http_port" in REQUIRED_EXTRA["MoRIIOConnector"]
+
+
 def test_gpu_topologies_plan() -> None:
     pd = load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml")
     prefill = plan_node(pd, NodeId("prefill", 0), "/py", Path("/l"), None).argv
     assert '"kv_connector":"MoRIIOConnector"' in prefill[prefill.index("--kv-transfer-config") + 1]
+    assert '"http_port":8100' in prefill[prefill.index("--kv-transfer-config") + 1]
+    assert "--enable-scale-out" in prefill  # the router renders requests on the instances
     proxy = plan_node(pd, NodeId("proxy", 0), "/py", Path("/l"), None).argv
-    assert proxy[1:3] == ("-m", "m3patch.cluster.proxy")
-    assert proxy[proxy.index("--prefill") + 1] == "http://127.0.0.1:8100"
-    assert proxy[proxy.index("--decode") + 1] == "http://127.0.0.1:8200"
+    assert proxy[0].endswith("/vllm-router") and "--vllm-pd-disaggregation" in proxy
+    assert proxy[proxy.index("--kv-connector") + 1] == "moriio"  # the router's MoRIIO handshake
+    assert proxy[proxy.index("--worker-startup-timeout-secs") + 1] == "3600"
+    assert proxy[proxy.index("--prefill") + 1] == "http://<prefill/0-address>:8100"
+    assert proxy[proxy.index("--decode") + 1] == "http://<decode/0-address>:8200"
     ep = load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml")
     assert ep.topology is not None and ep.topology.dp_size == 16
     node = plan_node(ep, NodeId("node", 0), "/py", Path("/l"), None)
@@ -222,10 +240,28 @@ def test_serve_writes_the_sbatch_job(tmp_path: Path) -> None:
                           capture_output=True, text=True, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr
     text = job.read_text()
-    assert text.startswith("#!/bin/bash") and "srun --kill-on-bad-exit=1" in text
+    assert text.startswith("#!/bin/bash") and "srun $M3PATCH_SRUN_ARGS --kill-on-bad-exit=1" in text
     assert f"RUN={tmp_path / 'run'}" in text
-    assert not (tmp_path / "run").exists()  # writing the job starts nothing
+    # Slurm opens --output before the script runs: the folder exists, made by m3patch
+    assert f"#SBATCH --output={tmp_path / 'run'}/logs/batch-%j.out" in text
+    assert (tmp_path / "run" / "logs").is_dir()
+    assert "#SBATCH --time=0:35:00" in text  # ready 300 + run 1200 + stop 600 s
+    assert "--gpus-per-node" not in text and "--exclusive" not in text  # the CPU recipe
+    assert [x.name for x in (tmp_path / "run").iterdir()] == ["logs"]  # and starts nothing
     single = subprocess.run([sys.executable, "-m", "m3patch", "serve", "cpu_tiny_moe",
                              "--write-sbatch", str(tmp_path / "x")], capture_output=True,
                             text=True, cwd=REPO, check=False)
     assert single.returncode == 2 and "no `topology:` section" in single.stderr
+
+
+def test_the_gpu_job_asks_for_what_its_nodes_use() -> None:
+    text = sbatch_script(load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml"),
+                         Path("/shared/run"))
+    assert "#SBATCH --gpus-per-node=8\n#SBATCH --exclusive\n" in text  # local DP 8 x TP 1
+    assert "#SBATCH --time=4:10:00" in text  # ready 3600 + run 10800 + stop 600 s
+    assert "--cpus-per-task=$SLURM_CPUS_ON_NODE" in text  # the node's CPUs, not Slurm's one
+    # srun is the batch step's own background job: $! is srun's pid, SIGTERM reaches it
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun and "m3patch_exec" not in srun
+    pd = sbatch_script(load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml"), Path("/r"))
+    assert "#SBATCH --gpus-per-node=4\n" in pd

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,15 @@ def test_bench_compare_prints_accuracy_beside_throughput(tmp_path: Path) -> None
                             str(RUNS / "base"), str(RUNS / "new")],
                            capture_output=True, text=True, cwd=REPO, check=False)
     assert plain.returncode == 0 and "accuracy" not in plain.stdout  # no eval: no table
+
+
+def test_bench_compare_puts_the_score_change_on_every_throughput_row(tmp_path: Path) -> None:
+    base, new = gated_run(tmp_path, "base", 0.96875), gated_run(tmp_path, "new", 0.125)
+    done = subprocess.run([sys.executable, "-m", "m3patch", "bench", "compare", str(base), str(new)],
+                          capture_output=True, text=True, cwd=REPO, check=False,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    throughput = done.stdout.split("accuracy (eval/eval.json)")[0]
+    assert "Accuracy" in throughput
+    cells = [line for line in throughput.splitlines() if line.startswith("32/16 ")]
+    assert cells and all("tiny_arith -84.38 pts" in line for line in cells), throughput

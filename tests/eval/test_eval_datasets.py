@@ -54,6 +54,21 @@ def test_model_check_names_the_missing_eval_dataset(
     assert "eval datasets present (1 from the hub, 0 local)" in capsys.readouterr().err
 
 
+def test_model_check_by_name_lists_datasets_even_without_the_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A shipped recipe by name (as every other command takes it), on an empty cache: the model
+    is missing (19) and the eval datasets are listed all the same, in the same look."""
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["model", "check", "mi300x_tp8"]) == 19
+    captured = capsys.readouterr()
+    assert "MiniMax-M3" in captured.out and "eval datasets" in captured.out
+    assert "gsm8k" in captured.out
+    assert "file not found" not in captured.err
+
+
 def test_fetch_without_the_harness_says_how_to_install(hub: Path, tmp_path: Path) -> None:
     recipe = load_recipe(gsm8k_recipe(tmp_path))
     assert recipe.eval is not None

@@ -40,3 +40,15 @@ def test_eval_command_fails_closed_before_asking_any_server(tmp_path: Path) -> N
     bare = subprocess.run([*run, str(tmp_path / "r.yaml")], capture_output=True, text=True,
                           cwd=REPO, check=False)
     assert bare.returncode == 2 and "no eval section" in bare.stderr
+
+
+def test_eval_baseline_flags_are_checked_before_any_harness_or_server(tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "m3patch", "eval", "cpu_tiny_moe", "--run-dir", str(tmp_path / "r")]
+    cases = ((["--max-drop", "0.05"], "--max-drop needs --baseline"),
+             (["--baseline", str(tmp_path / "b.json")], "task tiny_arith has no max-drop"),
+             (["--baseline", str(tmp_path / "b.json"), "--max-drop", "nan"], "--max-drop nan"),
+             (["--baseline", str(tmp_path / "b.json"), "--max-drop", "-1"], "--max-drop -1"))
+    for flags, said in cases:
+        done = subprocess.run([*run, *flags], capture_output=True, text=True, cwd=REPO, check=False)
+        assert done.returncode == 2 and said in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr and not (tmp_path / "r").exists()

@@ -196,6 +196,7 @@ def test_moved_code_is_an_offset(tmp_path: Path) -> None:
 def test_a_changed_context_line_is_a_conflict_naming_the_hunk(tmp_path: Path) -> None:
     root = copy_tree(pristine_tree("0.33.0"), tmp_path / "new-tree")
     lines = (root / MTP).read_bytes().split(b"\n")
+    original = list(lines)
     patch = parse_patch((SERIES_033 / "0003-minimax-m3-mtp-fse.patch").read_bytes(), "p")
     hunk2 = patch.files[0].hunks[1]
     target = hunk2.old_start - 1  # the hunk's first context line
@@ -213,6 +214,22 @@ def test_a_changed_context_line_is_a_conflict_naming_the_hunk(tmp_path: Path) ->
     assert any("# changed upstream" in line for line in hunk["conflict"]["changed"])
     assert [h["outcome"] for h in doc["patches"][2]["files"][0]["hunks"]] == [
         "clean", "conflict", "clean", "clean"]
+    # a clean hunk's line is the new file's own (before the patch's earlier hunks moved it)
+    placed = doc["patches"][2]["files"][0]["hunks"][2]
+    assert placed["new-line"] == patch.files[0].hunks[2].old_start
+    assert sum(len(h.new_lines) - len(h.old_lines) for h in patch.files[0].hunks[:1]) != 0
+    # the workflow the hint gives: edit the hunk in a copy of the source series (here: the
+    # file edited back), port again into the same --out, whose report is replaced
+    with pytest.raises(PortConflict) as caught:
+        port_series(SERIES_033, root, out, command="t", lint=no_lint)
+    assert f"--out {out}`: the same --out" in str(caught.value.hint)
+    replace_file(root / MTP, b"\n".join(original))
+    result = port_series(SERIES_033, root, out, command="t", lint=no_lint)
+    assert result.written == out and (out / "series.yaml").is_file()
+    assert not (out / INCOMPLETE).exists()
+    (out / "mine.txt").write_text("keep")  # a folder with anything else is still refused
+    with pytest.raises(UsageError, match="not empty"):
+        port_series(SERIES_033, root, out, command="t", lint=no_lint)
 
 
 def test_context_found_twice_away_from_its_place_is_a_conflict(tmp_path: Path) -> None:

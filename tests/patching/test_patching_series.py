@@ -116,7 +116,28 @@ def test_default_series_lookup_checkout_then_wheel(tmp_path: Path, monkeypatch: 
     monkeypatch.delenv("M3PATCH_SERIES")
     with pytest.raises(errors.UsageError, match=r"no series for vLLM 0\.99\.0") as caught:
         series_mod.find_series_dir(None, "0.99.0")
-    assert caught.value.hint == "pass --series DIR, or write the series for this version"
+    assert "pass --series NAME|DIR (shipped: vllm-0.33.0" in str(caught.value.hint)
+
+
+def test_series_by_the_name_series_list_prints(tmp_path: Path, vllm_tree: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               m3patch_cli: CliRunner) -> None:
+    """`--series vllm-0.33.0` (as `series list` prints it) works from any folder, in every
+    command that takes a series; an unknown name names the nearest shipped one."""
+    from m3patch.patching import series as series_mod
+
+    monkeypatch.chdir(tmp_path)
+    assert series_mod.series_path("vllm-0.33.0").resolve() == REPO / "patches" / "vllm-0.33.0"
+    assert series_mod.series_path("./vllm-0.33.0") == Path("./vllm-0.33.0")  # a path stays one
+    listed = m3patch_cli("series", "list", "--vllm-root", str(vllm_tree))
+    assert "vllm-0.33.0" in listed.stdout and "<- fits the located vLLM" in listed.stdout
+    shown = m3patch_cli("series", "show", "--series", "vllm-0.33.0")
+    assert shown.returncode == 0 and shown.stdout.startswith("vllm-0.33.0: vLLM 0.33.0")
+    status = m3patch_cli("status", "--vllm-root", str(vllm_tree), "--series", "vllm-0.33.0")
+    assert status.returncode == 0, status.stderr
+    bad = m3patch_cli("series", "show", "--series", "vllm-0.33")
+    assert bad.returncode == errors.UsageError.exit_code
+    assert "Perhaps you meant 'vllm-0.33.0'?" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("edit", ["post equals pre", "broken chain", "short hash"])
@@ -176,3 +197,18 @@ def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path
     assert verify_against_record(vllm_tree) == []
     proc = m3patch_cli("apply", "--verify", *root, "--series", str(second))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_recipe_names_its_series_by_the_name_series_list_prints(tmp_path: Path) -> None:
+    """A user's recipe outside the checkout says `series: vllm-0.33.0` (no patches/ folder
+    beside it): the shipped series of that name is used; a folder there still wins."""
+    import yaml
+
+    from m3patch.recipe.loader import load_recipe
+
+    data = yaml.safe_load((REPO / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = "vllm-0.33.0"
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
+    (tmp_path / "vllm-0.33.0").mkdir()
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == tmp_path / "vllm-0.33.0"

@@ -49,8 +49,9 @@ def test_embedded_default_runs_the_shipped_local_task() -> None:
     assert (arith.task_dir / "tiny_arith.yaml").is_file()
     rows = json.loads((arith.task_dir / "tiny_arith.json").read_text())
     assert len(rows) == 32
-    assert all(str(int(q.split()[2]) + int(q.split()[4].rstrip("?"))) == r["answer"]
-               for r in rows for q in [r["question"]])
+    sums = [r["question"].rstrip("=").split("+") for r in rows]
+    assert all(r["question"].endswith("=") and str(int(a) + int(b)) == r["answer"]
+               and len(a) == len(b) == 2 for r, (a, b) in zip(rows, sums, strict=True))
 
 
 def test_a_full_task_entry_is_read_into_frozen_values(tmp_path: Path) -> None:

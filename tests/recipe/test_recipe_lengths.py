@@ -69,3 +69,37 @@ def test_vllms_own_client_draws_the_translated_lengths(cpu_venv: Path, tiny_mode
     drawn = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(row[4] == 0 for row in drawn)  # the tokenizer adds no special tokens
     assert [row[:4] for row in drawn] == expected
+
+
+@pytest.mark.parametrize(("sweep", "needles"), [
+    ({"inferencex-range-ratio": 0.8},
+     ["isl 8192 + osl 1024 = 9216 tokens", "whatever inferencex-range-ratio",
+      "raise vllm-args.max-model-len to at least 9216"]),
+    ({"range-ratio": 0.1},
+     ["with range-ratio 0.1 (vLLM's convention", "lower sweep.range-ratio"]),
+])
+def test_a_row_over_max_model_len_gets_the_hint_of_its_convention(
+        tmp_path: Path, sweep: dict[str, float], needles: list[str]) -> None:
+    """Under InferenceX's lengths the longest request is isl + osl whatever the ratio: the hint
+    never says to lower the ratio there, and names the recipe keys as they are spelled."""
+    import yaml
+
+    from m3patch.recipe.loader import load_recipe
+    from m3patch.schema import SchemaError
+
+    repo = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((repo / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = str(repo / "patches" / "vllm-0.33.0")
+    data["vllm-args"]["max-model-len"] = 9000
+    for key in ("range-ratio", "inferencex-range-ratio", "max-model-len"):
+        data["sweep"].pop(key, None)
+    data["sweep"].update(sweep)
+    data["sweep"]["rows"] = [{"isl": 8192, "osl": 1024, "concurrency": [1]}]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SchemaError) as caught:
+        load_recipe(path)
+    message = str(caught.value)
+    assert all(n in message for n in needles), message
+    if "inferencex-range-ratio" in sweep:
+        assert "lower" not in message

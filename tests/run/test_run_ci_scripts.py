@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 from types import ModuleType
 
 from core_helpers import REPO
@@ -46,3 +47,12 @@ def test_a_missing_table_or_cell_line_fails() -> None:
     assert check.table_problems([line for line in lines if "per-GPU results" not in line], rows)
     without_c4 = [line for line in lines if "│ 4    │" not in line]
     assert check.table_problems(without_c4, rows) == ["no table line for 32/16 at concurrency 4"]
+
+
+def test_the_gate_must_pass_a_real_score_against_a_real_floor(tmp_path: Path) -> None:
+    check, record = _checker(), tmp_path / "eval.json"
+    for score, floor, ok in ((0.96875, 0.75, True), (0.0, 0.0, False), (0.5, 0.75, False)):
+        record.write_text(json.dumps({"tasks": [{"score": score, "min": floor}]}))
+        assert (check.gate_problems(record) == []) is ok, (score, floor)
+    record.write_text("{}")
+    assert check.gate_problems(record) == [f"{record}: no single task with a score and a floor"]

@@ -19,7 +19,7 @@ import yaml
 from m3patch.bench.matrix import build_matrix
 from m3patch.bench.spec import matrix_recipe, recipe_cells
 from m3patch.recipe.loader import load_recipe
-from m3patch.recipe.regions import server_groups
+from m3patch.recipe.server_groups import server_groups
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ several tests read, and it ends with the SIGINT test.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +19,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from m3patch.markers import STOP_MARK
 from m3patch.patching.series import load_series
 from m3patch.serving.processes import children_of, group_members
 
@@ -150,14 +154,45 @@ def test_markers_check_on_saved_log(live: LiveServer, m3patch_cli: Callable[...,
     assert "Starting to load model" in result.stderr and "server.log:" in result.stderr
 
 
-def test_sigint_mid_run_exits_130_and_leaves_nothing(live: LiveServer) -> None:
+def long_request(recipe: Path) -> threading.Thread:
+    """A completion still in flight when the server is stopped: vLLM aborts it and logs
+    EngineDeadError during the shutdown."""
+    data = yaml.safe_load(recipe.read_text())
+    body = json.dumps({"model": str(data["model"]["served-name"]), "prompt": "count: 1 2 3",
+                       "max_tokens": 4000, "ignore_eos": True}).encode()
+    url = f"http://127.0.0.1:{data['server']['port']}/v1/completions"
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(urllib.request.Request(
+                url, body, {"Content-Type": "application/json"}), timeout=120).read()
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigint_mid_run_exits_130_and_leaves_nothing(
+        live: LiveServer, m3patch_cli: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     assert group_members(live.pgid), "the server should be running before the interrupt"
+    long_request(live.recipe)
+    time.sleep(1.0)  # 4000 tokens take the tiny model many seconds: still in flight at the stop
     live.proc.send_signal(signal.SIGINT)
     assert live.proc.wait(timeout=90) == 130
     assert group_members(live.pgid) == []
     assert_no_server_left(live.run_dir)
-    (found,) = json.loads((live.run_dir / "serve.json").read_text())["warnings"]
+    summary = json.loads((live.run_dir / "serve.json").read_text())
+    (found,) = summary["warnings"]
     assert found["id"] == "no-tcmalloc" and found["fix"] == TCMALLOC_FIX and found["count"] >= 1
+    # what m3patch's own stop makes the server print is never judged, live or later
+    log = (live.run_dir / "server.log").read_text()
+    assert log.splitlines().count(STOP_MARK) == 1
+    assert summary["violation"] is None and summary["markers"]["engine-dead"] == 0
+    if "EngineDeadError" in log.split(STOP_MARK, 1)[1]:
+        assert summary["markers_after_stop"].get("engine-dead", 0) >= 1
+    saved = m3patch_cli("markers", "check", str(live.run_dir / "server.log"),
+                        "--recipe", str(live.recipe))
+    assert saved.returncode == 0, saved.stderr
     assert "libtcmalloc is not found in LD_PRELOAD" in found["first"]
 
 

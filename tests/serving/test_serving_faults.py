@@ -205,3 +205,42 @@ def test_real_server_hung_is_caught_by_the_health_probe(
         assert group_members(pgid) == [], "stopped server processes outlived m3patch"
     finally:
         _cleanup(proc)
+
+
+SHUTDOWN_NOISE = r"""
+import os, signal, sys, time
+def on_int(*_):
+    os.write(1, b"ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue\n")
+    sys.exit(0)
+signal.signal(signal.SIGINT, on_int)
+MARK = %r
+os.write(1, b"INFO Using CPUUnquantizedExperts MoE backend\nx gr\xc3\xb6\xc3\x9fe \xe2\x9c\x93 done\n")
+os.write(1, MARK + b"\n")  # the server printing the mark itself does not end its judging
+os.write(1, b"half a line, then ")  # still open when m3patch starts the stop
+time.sleep(600)
+"""
+
+
+def test_shutdown_noise_after_the_stop_mark_is_never_judged(tmp_path: Path) -> None:
+    """vLLM logs EngineDeadError when m3patch's SIGINT aborts in-flight requests (on the real
+    server only when a request is mid-flight at that moment, so a child prints it on SIGINT on
+    cue here): counted after the stop mark, never a violation, live or in the saved log."""
+    from m3patch.markers import STOP_MARK, check_log_bytes
+
+    sup = fake(tmp_path, SHUTDOWN_NOISE % STOP_MARK.encode())
+    sup.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "server.log").read_bytes().endswith(b"then "):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sup.stop()
+    assert sup.violation is None
+    assert sup.checker.counts == {"cpu-moe": 1, "unicode": 1}
+    assert sup.checker.after_stop == {"dead": 1}
+    log = (tmp_path / "server.log").read_bytes()
+    lines = log.decode().splitlines()
+    assert lines.count(STOP_MARK) == 2  # the server's copy, then m3patch's on a line of its own
+    assert lines[-3:-1] == ["half a line, then ", STOP_MARK]
+    saved = check_log_bytes(log, sup.checker.specs, log_name="server.log", hint="h")
+    assert saved.counts == sup.checker.counts and saved.after_stop == {"dead": 1}
+    assert saved.stopped_at == sup.checker.stopped_at

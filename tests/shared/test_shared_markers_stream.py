@@ -98,3 +98,16 @@ def test_the_series_loader_builds_the_one_marker_type() -> None:
     assert layer.kind == "required" and layer.platforms == ("rocm-gfx942",)
     assert layer.declared_by == f"patch block-fp8-moe in {recipe.series_dir / 'series.yaml'}"
     assert layer.matches("x m3patch[mxfp8->block_fp8]: model.layers.0.mlp.experts: ...")
+
+
+def test_a_forbidden_marker_before_the_stop_mark_still_fails_a_saved_log() -> None:
+    from m3patch.markers import STOP_MARK
+
+    data = f"Using EMULATION fp8 MoE\n{STOP_MARK}\n".encode()
+    with pytest.raises(MarkerForbidden):
+        check_log_bytes(data, SPECS, log_name="l", hint="h")
+    after = f"{PROV}\n{MOE}\n{STOP_MARK}\r\nUsing EMULATION fp8 MoE\n{MOE}\n".encode()
+    checker = check_log_bytes(after, SPECS, log_name="l", hint="h")  # passes: judged up to it
+    assert checker.counts == {"provenance": 1, "moe": 1}  # the count of 1 still holds
+    assert checker.after_stop == {"emulation": 1, "moe": 1}
+    assert checker.stopped_at == 3

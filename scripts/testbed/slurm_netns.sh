@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# A two-node Slurm cluster on 127.0.0.1 (Debian's slurm-wlm + munge), for the Slurm launcher test
-# and CI. No systemd: the daemons are started by hand, and clients need SLURM_CONF.
-#   bash scripts/testbed/slurm_loopback.sh start DIR   # writes DIR/slurm.conf, starts munged (if not
-#                                              # running), slurmctld and two slurmd (n1, n2)
-#   bash scripts/testbed/slurm_loopback.sh stop DIR    # stops the daemons this script started (pid files;
-#                                              # munged only if this script started it)
+# A two-node Slurm cluster across network namespaces (Debian's slurm-wlm + munge), for the Slurm
+# launcher test and CI: one slurmd per namespace of the test bed (scripts/testbed/netns_testbed.sh),
+# each with NodeAddr set to its namespace's address and its own hostname; slurmctld on the
+# machine at the bridge's address. No systemd: the daemons are started by hand, and clients need
+# SLURM_CONF.
+#   bash scripts/testbed/slurm_netns.sh start DIR BED SUBNET   # writes DIR/slurm.conf, starts munged (if
+#                                                      # not running), slurmctld and slurmd n1 in
+#                                                      # namespace BED0 (SUBNET.10), n2 in BED1
+#   bash scripts/testbed/slurm_netns.sh stop DIR               # stops the daemons this script started
+#                                                      # (pid files; munged only if it started it)
+# munged's socket is a file, so every namespace shares the one munged. slurmd is started with
+# nsenter --net (not `ip netns exec`, which remounts /sys and hides the cgroup tree slurmd needs).
 # MpiDefault=none (no PMIx here); proctrack/cgroup, because linuxproc loses vLLM's engines,
 # which start their own sessions; cgroup v1 on this machine. Needs root (slurmd, cgroups).
 # Two CPUs per node (this machine's two cores): a set's task takes one, so a sweep array task
@@ -13,12 +19,14 @@
 set -euo pipefail
 action="${1:?start|stop}"; dir="$(realpath -m "${2:?DIR}")"
 conf="$dir/slurm.conf"
+bed="${3:-}"; subnet="${4:-}"
 
 start() {
+    [ -n "$bed" ] && [ -n "$subnet" ] || { echo "slurm_netns: start DIR BED SUBNET" >&2; return 2; }
     mkdir -p "$dir"/{state,spool,log,run}
     cat > "$conf" <<CONF
-ClusterName=m3loop
-SlurmctldHost=localhost(127.0.0.1)
+ClusterName=m3netns
+SlurmctldHost=$(hostname)($subnet.1)
 SlurmctldPort=16817
 SlurmUser=root
 SlurmdUser=root
@@ -38,9 +46,9 @@ SlurmdLogFile=$dir/log/slurmd-%n.log
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 KillWait=30
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16821 CPUs=2 RealMemory=8000 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16822 CPUs=2 RealMemory=8000 State=UNKNOWN
-PartitionName=loop Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+NodeName=n1 NodeHostname=n1 NodeAddr=$subnet.10 Port=16821 CPUs=2 RealMemory=8000 State=UNKNOWN
+NodeName=n2 NodeHostname=n2 NodeAddr=$subnet.11 Port=16821 CPUs=2 RealMemory=8000 State=UNKNOWN
+PartitionName=netns Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 CONF
     printf 'CgroupPlugin=cgroup/v1\nConstrainCores=no\nConstrainRAMSpace=no\n' > "$dir/cgroup.conf"
     if ! pgrep -x munged > /dev/null; then
@@ -52,13 +60,15 @@ CONF
     fi
     export SLURM_CONF="$conf"
     slurmctld -f "$conf"
-    slurmd -f "$conf" -N n1
-    slurmd -f "$conf" -N n2
+    for k in 1 2; do
+        nsenter --net="/var/run/netns/$bed$((k - 1))" unshare --uts \
+            sh -c 'hostname "$0"; exec slurmd -f "$1" -N "$0"' "n$k" "$conf"
+    done
     for _ in $(seq 60); do
         [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u)" = "idle" ] && { echo "$conf"; return 0; }
         sleep 1
     done
-    echo "slurm_loopback: nodes not idle after 60 s; see $dir/log" >&2
+    echo "slurm_netns: nodes not idle after 60 s; see $dir/log" >&2
     return 1
 }
 

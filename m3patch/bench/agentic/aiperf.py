@@ -1,0 +1,123 @@
+"""AIPerf, the agentic client: its command line (pure), its environment and the version check.
+
+AIPerf lives in its own venv (scripts/setup/setup_aiperf.sh, pinned), as lm-eval does: it pulls
+transformers, pandas, datasets and scipy, none of which the serving venv may be pinned by.
+The argv follows InferenceX's replay command (benchmark_lib.sh build_replay_cmd) where AIPerf
+0.13.0 on PyPI has the option: chat endpoint, streaming, server token counts, no GPU telemetry,
+the server's `/metrics` scraped, a fixed random seed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from m3patch.bench.cells import AgenticCell
+from m3patch.errors import AgenticClientError, M3PatchError
+from m3patch.recipe.agentic import AgenticScenario, TraceSource
+from m3patch.serving.launch_plan import LOOPBACK_ENV
+
+AIPERF_VERSION = "0.13.0"
+SETUP_HINT = "bash scripts/setup/setup_aiperf.sh (or set sweep.client.python / M3PATCH_AIPERF_PYTHON)"
+VERSION_PROBE_S = 60.0
+# AIPerf 0.13.0's offline mode resolves a tokenizer through the hub cache only and refuses a
+# local folder (common/tokenizer.py, _from_pretrained_local): for a local tokenizer the client
+# runs without the offline switches; a local path is never looked up on the hub.
+OFFLINE_KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@dataclass(frozen=True)
+class AgenticTarget:
+    """The server a cell replays against."""
+
+    base_url: str
+    served_model: str
+    tokenizer: str
+
+
+def aiperf_binary(python: str) -> Path:
+    """The `aiperf` console script beside the venv's python."""
+    return Path(python).parent / "aiperf"
+
+
+def trace_args(trace: TraceSource) -> list[str]:
+    if trace.kind == "file":
+        return ["--input-file", str(trace.path), "--custom-dataset-type", str(trace.loader)]
+    if trace.kind == "public-dataset":
+        return ["--public-dataset", str(trace.loader)]
+    synth = dict(trace.synthetic)
+    return ["--conversation-num", str(synth["conversations"]),
+            "--conversation-turn-mean", str(synth["turns"]), "--conversation-turn-stddev", "0",
+            "--synthetic-input-tokens-mean", str(synth["input-tokens"]),
+            "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(synth["output-tokens"]), "--output-tokens-stddev", "0"]
+
+
+def seed_of(trace: TraceSource, seed: int) -> int:
+    """A synthesized trace carries its own seed (the sessions are part of the recipe)."""
+    return dict(trace.synthetic).get("seed", seed) if trace.kind == "synthetic" else seed
+
+
+def aiperf_argv(python: str, target: AgenticTarget, cell: AgenticCell,
+                scenario: AgenticScenario, artifact_dir: Path, seed: int) -> list[str]:
+    """`aiperf profile` for one cell; its exports land in `artifact_dir`."""
+    stop = (["--benchmark-duration", str(cell.duration_s)] if cell.duration_s is not None
+            else ["--request-count", str(cell.request_count)])
+    warmup = (["--warmup-request-count", str(cell.warmup_request_count)]
+              if cell.warmup_request_count else [])
+    named = ["--scenario", scenario.aiperf_scenario] if scenario.aiperf_scenario else []
+    extra = [arg for key, value in scenario.extra_inputs
+             for arg in ("--extra-inputs", f"{key}:{_scalar(value)}")]
+    return [
+        str(aiperf_binary(python)), "profile", *named,
+        "--model", target.served_model, "--url", target.base_url,
+        "--endpoint-type", "chat", "--endpoint", "/v1/chat/completions", "--streaming",
+        "--tokenizer", target.tokenizer,
+        "--concurrency", str(cell.concurrency), *stop, *warmup,
+        "--random-seed", str(seed_of(scenario.trace, seed)),
+        *trace_args(scenario.trace), *extra,
+        # AIPerf scrapes the endpoint's own /metrics unasked (server_metrics_export.json).
+        "--use-server-token-count", "--no-gpu-telemetry",
+        "--output-artifact-dir", str(artifact_dir), "--no-auto-plot", "--ui-type", "none",
+    ]  # fmt: skip
+
+
+def _scalar(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def client_env(tokenizer: str) -> dict[str, str]:
+    """The server's loopback-only settings; without the offline switches for a local tokenizer."""
+    env = {**os.environ, **dict(LOOPBACK_ENV)}
+    if Path(tokenizer).is_dir():
+        for key in OFFLINE_KEYS:
+            env.pop(key, None)
+    return env
+
+
+def check_client(python: str) -> str:
+    """AIPerf installed in `python`'s venv at the pinned version; its version, or raise (31)."""
+    binary = aiperf_binary(python)
+    if not Path(python).is_file() or not binary.is_file():
+        msg = f"AIPerf is not installed: no {binary} (the agentic client runs from its own venv)"
+        raise AgenticClientError(msg, hint=SETUP_HINT)
+    version = installed_version(python, "aiperf", AgenticClientError, SETUP_HINT)
+    if version != AIPERF_VERSION:
+        msg = (f"{python}: AIPerf {version or 'nothing'} installed; m3patch scores AIPerf "
+               f"{AIPERF_VERSION}'s export")
+        raise AgenticClientError(msg, hint=SETUP_HINT)
+    return version
+
+
+def installed_version(python: str, dist: str, error: type[M3PatchError], hint: str) -> str | None:
+    """The version of `dist` that `python` has installed, or None; `error` when it cannot say."""
+    probe = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                              timeout=VERSION_PROBE_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        msg = f"{python}: cannot read {dist}'s version: {exc}"
+        raise error(msg, hint=hint) from None
+    return done.stdout.strip() or None if done.returncode == 0 else None

@@ -1,0 +1,79 @@
+"""What an agentic run checks before any server starts: AIPerf installed at the pinned version,
+the trace on disk (a local file, or the hub dataset in the cache: the client runs offline), and
+LMCache installed at the recipe's pinned version where a row asks for it.
+
+`trace_missing` / `fetch_trace` are what `model check` / `model fetch` use for the trace dataset,
+as they do for eval datasets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from m3patch.bench.agentic.aiperf import check_client
+from m3patch.bench.agentic.lmcache import check_lmcache
+from m3patch.errors import AgenticClientError, ModelMissing
+from m3patch.eval.datasets import dataset_folder
+from m3patch.recipe.agentic import AgenticScenario, TraceSource
+from m3patch.recipe.model_files import env_hub_cache
+
+FETCH_TIMEOUT_S = 3600
+# Run with AIPerf's interpreter (its huggingface_hub): the dataset into the hub cache, offline-ready.
+FETCH_SCRIPT = ("import sys; from huggingface_hub import snapshot_download; "
+                "print(snapshot_download(sys.argv[1], repo_type='dataset', "
+                "revision=sys.argv[2] or None))")
+
+
+def trace_missing(trace: TraceSource, env: Mapping[str, str] | None = None) -> str | None:
+    """Why the trace is not available offline, or None when it is (synthetic needs nothing)."""
+    if trace.kind == "file":
+        assert trace.path is not None
+        return None if trace.path.is_file() else f"trace file {trace.path} does not exist"
+    if trace.kind == "public-dataset":
+        assert trace.dataset is not None
+        cache = env_hub_cache(os.environ if env is None else env)
+        snapshots = dataset_folder(cache, trace.dataset) / "snapshots"
+        present = snapshots.is_dir() and any(p.is_dir() and any(p.iterdir())
+                                             for p in snapshots.iterdir())
+        return None if present else f"trace dataset {trace.dataset} is not in {cache}"
+    return None
+
+
+def require_trace(trace: TraceSource, recipe_path: Path) -> None:
+    problem = trace_missing(trace)
+    if problem is not None:
+        fix = (f"m3patch model fetch {recipe_path}" if trace.kind == "public-dataset"
+               else f"put the trace file there, or correct sweep.trace.file in {recipe_path}")
+        msg = f"{recipe_path}: {problem}"
+        raise ModelMissing(msg, hint=fix)
+
+
+def fetch_trace(trace: TraceSource, python: str) -> str:
+    """Download a hub trace dataset with AIPerf's interpreter; the snapshot folder it wrote."""
+    assert trace.dataset is not None
+    try:
+        done = subprocess.run([python, "-c", FETCH_SCRIPT, trace.dataset, trace.revision or ""],
+                              capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        msg = f"fetching trace dataset {trace.dataset}: {exc}"
+        raise AgenticClientError(msg, hint="bash scripts/setup/setup_aiperf.sh, then retry") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        msg = f"fetching trace dataset {trace.dataset} failed:\n{tail}"
+        raise ModelMissing(msg, hint="check the dataset id and your hub access, then retry")
+    return done.stdout.strip()
+
+
+def preflight(scenario: AgenticScenario, recipe_path: Path, serving_python: str) -> str:
+    """Every check that needs no server; a one-line summary for the recipe step."""
+    version = check_client(scenario.client_python)
+    require_trace(scenario.trace, recipe_path)
+    pins = sorted({row.kv_offload.version for row in scenario.rows
+                   if row.kv_offload.backend == "lmcache" and row.kv_offload.version})
+    for pin in pins:
+        check_lmcache(serving_python, pin)
+    lmcache = f"; LMCache {', '.join(pins)}" if pins else ""
+    return f"AIPerf {version}; trace {scenario.trace.label}{lmcache}"

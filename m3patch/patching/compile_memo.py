@@ -1,0 +1,67 @@
+"""Which file contents are known to compile with this interpreter: a memo keyed by content.
+
+Whether bytes compile is a pure function of the bytes and the interpreter (its cache tag and
+bytecode magic number), so `verify` compiles a given post-image once per interpreter rather than
+on every run: a release-sized series has over a thousand .py files, and compiling them is most
+of verify's time; a read-only command (`verify` itself) only reads the memo (patching.memo),
+so the memo grows through apply and the serve/bench/ci path. Only successes are remembered (a failure is compiled again, for its message).
+The memo is m3patch's own state read back as hostile input: anything but the exact shape
+(schema, this interpreter's key, sha256 hex strings) is ignored as a whole and rebuilt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from m3patch.errors import M3PatchError, TreeIOError
+from m3patch.fsio import read_json, write_json_atomic
+from m3patch.patching import memo
+from m3patch.patching.ledger import SHA256_RE
+
+SCHEMA = 1
+LIMIT = 200_000  # entries kept; an older memo beyond it starts over
+
+
+def interpreter_key() -> str:
+    return f"{sys.implementation.cache_tag}-{importlib.util.MAGIC_NUMBER.hex()}"
+
+
+def memo_path() -> Path:
+    # deferred: pristine: only the cache location is needed
+    from m3patch.patching.pristine import cache_root
+
+    return cache_root() / "compiled" / f"{interpreter_key()}.json"
+
+
+def known_good() -> set[str]:
+    """The content hashes known to compile here; empty when the memo is absent or not valid."""
+    path = memo_path()
+    if not path.is_file():
+        return set()
+    try:
+        body = read_json(path, error=TreeIOError, hint="", expect=dict)
+    except M3PatchError:
+        return set()
+    good = body.get("ok")
+    if (body.get("schema") != SCHEMA or body.get("interpreter") != interpreter_key()
+            or not isinstance(good, list) or len(good) > LIMIT):
+        return set()
+    if not all(isinstance(h, str) and SHA256_RE.match(h) for h in good):
+        return set()
+    return set(good)
+
+
+def remember(old: set[str], new: Iterable[str]) -> None:
+    """Add `new` to the memo; a cache that cannot be written is only a slower next run."""
+    fresh = set(new) - old
+    if not fresh or not memo.writes_allowed():
+        return
+    good = sorted(old | fresh) if len(old) + len(fresh) <= LIMIT else sorted(fresh)
+    try:
+        write_json_atomic(memo_path(), {"schema": SCHEMA, "interpreter": interpreter_key(),
+                                        "ok": good}, indent=0)
+    except (M3PatchError, OSError):
+        return

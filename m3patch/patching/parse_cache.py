@@ -1,0 +1,120 @@
+"""Parsed patches, remembered by the sha256 of their bytes: a release-sized series (thousands of
+hunks) parses in seconds with unidiff, and the same pinned bytes always give the same model.
+
+`parsed(data, name, sha256)` is `diffs.parse_patch` with a memo under
+`~/.cache/m3patch/parsed/<sha256>.json`. Callers pass the hash the series lock pins and the
+bytes were just checked against (series_lock.pinned), so the key names exactly these bytes. The
+memo is read back as hostile input: the shape is checked field by field, every path goes through
+`check_rel_path` again, and anything unexpected means the patch is parsed afresh and the entry
+rewritten. A memo that cannot be written is only a slower next run; a read-only command never writes it
+(patching.memo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from m3patch.errors import M3PatchError, TreeIOError
+from m3patch.fsio import read_json, write_json_atomic
+from m3patch.patching import memo
+from m3patch.patching.diffs import (
+    FilePatch,
+    Hunk,
+    PatchFile,
+    check_rel_path,
+    parse_patch,
+    split_lines,
+)
+from m3patch.patching.ledger import SHA256_RE
+
+SCHEMA = 2  # 2: each hunk side one string
+KINDS = ("modify", "add", "delete")
+
+
+def _path(sha256: str) -> Any:
+    # deferred: pristine: only the cache location is needed
+    from m3patch.patching.pristine import cache_root
+
+    return cache_root() / "parsed" / f"{sha256}.json"
+
+
+def _to_json(patch: PatchFile, sha256: str) -> dict[str, Any]:
+    return {"schema": SCHEMA, "sha256": sha256, "files": [
+        [f.path, f.kind, f.new_mode, [[h.index, h.old_start, h.new_start, h.header,
+                                        "".join(h.old_lines), "".join(h.new_lines)]
+                                       for h in f.hunks]]
+        for f in patch.files]}
+
+
+def _lines(raw: object) -> tuple[str, ...]:
+    """A hunk side is stored joined: within a side only the last line can lack its newline, so
+    splitting after each newline gives the lines back exactly (and a one-string side is fast
+    to check). Whatever a tampered memo holds, each applied result is still checked against
+    the post-image hash the lock pins."""
+    if not isinstance(raw, str):
+        msg = "lines"
+        raise TypeError(msg)
+    return tuple(split_lines(raw))
+
+
+def _int(raw: object) -> int:
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        msg = "int"
+        raise TypeError(msg)
+    return raw
+
+
+def _hunk(raw: object) -> Hunk:
+    if not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[3], str):
+        msg = "hunk"
+        raise TypeError(msg)
+    return Hunk(_int(raw[0]), _int(raw[1]), _lines(raw[4]), _int(raw[2]), _lines(raw[5]), raw[3])
+
+
+def _file(raw: object, name: str) -> FilePatch:
+    if not isinstance(raw, list) or len(raw) != 4 or raw[1] not in KINDS:
+        msg = "file"
+        raise TypeError(msg)
+    path, kind, mode, hunks = raw
+    if not isinstance(path, str) or check_rel_path(path, name) != path or not isinstance(hunks, list):
+        msg = "path"
+        raise TypeError(msg)
+    return FilePatch(path, kind, tuple(_hunk(h) for h in hunks),
+                     None if mode is None else _int(mode))
+
+
+def _from_json(body: dict[str, Any], name: str, sha256: str) -> PatchFile | None:
+    if body.get("schema") != SCHEMA or body.get("sha256") != sha256:
+        return None
+    raw = body.get("files")
+    try:
+        if not isinstance(raw, list) or not raw:
+            return None
+        files = tuple(_file(f, name) for f in raw)
+    except (TypeError, ValueError, M3PatchError):
+        return None
+    if len({f.path for f in files}) != len(files):
+        return None
+    return PatchFile(name, files)
+
+
+def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
+    """The patch's model: from the memo when it holds these bytes' parse, else parsed (and
+    remembered). `sha256` must be the digest of `data` (the caller checked it against the lock)."""
+    if not SHA256_RE.match(sha256):
+        return parse_patch(data, name)
+    path = _path(sha256)
+    if path.is_file():
+        try:
+            body = read_json(path, error=TreeIOError, hint="", expect=dict)
+        except M3PatchError:
+            body = {}
+        cached = _from_json(body, name, sha256)
+        if cached is not None:
+            return cached
+    patch = parse_patch(data, name)
+    if memo.writes_allowed():
+        with contextlib.suppress(M3PatchError, OSError):
+            write_json_atomic(path, _to_json(patch, sha256), indent=0)
+    return patch

@@ -1,0 +1,41 @@
+"""The read-only commands (locate, status, verify) write nothing anywhere: not into the tree,
+not into m3patch's own cache (the parsed-patch and compile memos only apply may grow)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from core_helpers import CliRunner
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under root with its size and mtime (ns)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            st = path.lstat()
+            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_locate_status_verify_write_nothing_and_apply_fills_the_memos(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {"M3PATCH_CACHE": str(cache)}
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+
+    def read_only_round() -> None:
+        before_tree, before_cache = _snapshot(vllm_tree), _snapshot(cache)
+        m3patch_cli("locate", "--vllm-root", str(vllm_tree), env=env)
+        m3patch_cli("status", *where, env=env)
+        m3patch_cli("verify", *where, env=env)
+        assert _snapshot(vllm_tree) == before_tree
+        assert _snapshot(cache) == before_cache
+
+    read_only_round()  # unpatched: status parses every patch to classify its hunks
+    assert m3patch_cli("apply", *where, env=env).returncode == 0
+    assert any((cache / "parsed").iterdir())  # the control: a writing command does fill it
+    read_only_round()  # patched: verify compiles every patched .py
