@@ -133,15 +133,16 @@ def _serve(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     run_dir = args.run_dir or default_run_dir(recipe, RunCommand.SERVE, resume=False)
     python = args.python or recipe.target.python or sys.executable  # as ServeSession picks it
-    ledger = None
+    ledger, checked = None, None
     if fields is not None:  # prepared here, so an error from the server still names the tree
         report_json.attach_run(fields, recipe=args.recipe, run_dir=run_dir, python=python,
                                ledger_sha256=None, steps=[])
-        ledger = prepare_tree(recipe, python)
+        ledger, checked = prepare_tree(recipe, python)
         report_json.attach_run(fields, recipe=args.recipe, run_dir=run_dir, python=python,
                                ledger_sha256=ledger, steps=[])
     session = ServeSession(recipe, run_dir, python=python, port=args.port,
-                           echo=None if args.quiet else echo_server_line, ledger_sha256=ledger)
+                           echo=None if args.quiet else echo_server_line, ledger_sha256=ledger,
+                           launch_check=checked)
     with session:
         info(session.ready_line())
         if fields is not None:

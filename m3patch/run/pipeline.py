@@ -61,7 +61,7 @@ from m3patch.recipe.server_groups import ServerGroup, server_groups
 from m3patch.run.steps import Step, StepDone, StepStatus
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.server_session import ServeSession
-from m3patch.serving.vllm_parser import check_launch
+from m3patch.serving.vllm_parser import LaunchCheck, check_launch
 
 LEDGER_COPY = "ledger.json"
 SERVERS_DIR = "servers"  # one folder per server group (server.log, serve.json) when regions split
@@ -218,6 +218,7 @@ class RunPipeline:
         self.plan: RunPlan | None = None
         self.ledger_sha256: str | None = None
         self.located: VllmTree | None = None  # the tree the launch check found; apply patches it
+        self.checks: tuple[LaunchCheck, ...] = ()  # each server group's launch check, in order
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
         self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
@@ -274,10 +275,11 @@ class RunPipeline:
             # vLLM's own parser, before the tree changes or the node loads anything: every
             # server form the sweep will start.
             first, *rest = self.groups()
-            checks = [check_launch(first.recipe, self.plan.python)]
+            checks = [check_launch(first.recipe, self.plan.python, defer=True)]
             self.located = checks[0].tree
-            checks += [check_launch(g.recipe, self.plan.python, located=self.located)
+            checks += [check_launch(g.recipe, self.plan.python, located=self.located, defer=True)
                        for g in rest]
+            self.checks = tuple(checks)  # in group order; a ServeSession runs what each owes
             where += f"; model files on disk; launch checked by {checks[0].checked_by}"
             if len(checks) > 1:
                 where += f" ({len(checks)} server groups)"
@@ -340,9 +342,14 @@ class RunPipeline:
             logs = self._held.enter_context(row_servers(
                 kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir))
             info(f"{len(logs)} LMCache server(s) healthy (logs {run_dir})")
+        if 1 <= group.index <= len(self.checks):
+            checked = self.checks[group.index - 1]  # what the recipe step's check left owed
+        else:  # a server no group planned (the eval server's): checked the same way, now
+            checked = check_launch(recipe, self.planned.python, located=self.located, defer=True)
         return self._held.enter_context(ServeSession(
             recipe, run_dir, python=self.planned.python, port=self.spec.port,
-            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256))
+            echo=echo_server_line if self.spec.echo else None, ledger_sha256=self.ledger_sha256,
+            launch_check=checked))
 
     def _sweep_groups(self, groups: tuple[ServerGroup, ...]) -> StepDone:
         """One server per group: started, gated, swept, stopped; then one aggregate of all."""

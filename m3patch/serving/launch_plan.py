@@ -22,7 +22,7 @@ from m3patch.patching.series import load_series
 from m3patch.recipe.loader import Recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.serving.supervisor import LaunchSpec
-from m3patch.serving.vllm_parser import check_launch
+from m3patch.serving.vllm_parser import LaunchCheck, check_launch
 
 if TYPE_CHECKING:
     from m3patch.patching.api import EnsuredTree
@@ -108,11 +108,12 @@ def ensure_tree(recipe: Recipe, python: str, tree: VllmTree | None = None) -> En
     return ensure_series(tree or find_vllm(python=python), load_series(recipe.series_dir))
 
 
-def prepare_tree(recipe: Recipe, python: str) -> str:
-    """Check the model and the launch (vLLM's own parser) before the tree changes, apply and
-    verify; the ledger's sha256 hex."""
+def prepare_tree(recipe: Recipe, python: str) -> tuple[str, LaunchCheck]:
+    """Check the model and the launch before the tree changes, apply and verify; the ledger's
+    sha256 hex, and the check (vLLM's own parser may still be owed: the session runs it beside
+    the server)."""
     require_present(recipe)
-    checked = check_launch(recipe, python)
+    checked = check_launch(recipe, python, defer=True)
     ensured = ensure_tree(recipe, python, checked.tree)
     info(ensured.report.summary().removeprefix("m3patch: "))
-    return ensured.ledger_sha256
+    return ensured.ledger_sha256, checked

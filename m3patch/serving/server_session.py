@@ -28,13 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from m3patch.errors import RunDeadline, ServerDied
+from m3patch.errors import LaunchRejected, M3PatchError, RunDeadline, ServerDied
 from m3patch.fsio import write_json_atomic
 from m3patch.markers import MarkerChecker, MarkerWarning
 from m3patch.output import warn
 from m3patch.recipe.loader import Recipe
 from m3patch.serving.launch_plan import LaunchPlan, plan_launch, prepare_tree
 from m3patch.serving.supervisor import Supervisor
+from m3patch.serving.vllm_parser import LaunchCheck, ParserCheck
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the ready reply
@@ -43,9 +44,12 @@ READY_SETTLE_S = 1.0  # lets the log reader drain lines written just before the 
 class ServeSession:
     def __init__(self, recipe: Recipe, run_dir: Path, *, python: str | None = None,
                  port: int | None = None, echo: Callable[[str], None] | None = None,
-                 ledger_sha256: str | None = None) -> None:
+                 ledger_sha256: str | None = None,
+                 launch_check: LaunchCheck | None = None) -> None:
         self.recipe = recipe
         self.verified_ledger = ledger_sha256  # the tree was already ensured, with this ledger
+        self.launch_check = launch_check  # the caller's check, with that ledger
+        self.parser_check: ParserCheck | None = None
         self.run_dir = Path(run_dir)
         self.python = python or recipe.target.python or sys.executable
         self.port = port or recipe.port
@@ -95,8 +99,9 @@ class ServeSession:
         checker = MarkerChecker(self.plan.markers, log_name=str(self.log_path))
         self.supervisor = Supervisor(self.plan.spec, checker, echo=self.echo)
         try:
+            self.parser_check = self._owed_parser_check()
             self.supervisor.start()
-            self.ready_s = self.supervisor.wait_ready()
+            self.ready_s = self._wait_ready()
             time.sleep(READY_SETTLE_S)
             self.supervisor.gate_markers(hint=self.plan.marker_hint)
             for found in self.warnings():
@@ -109,8 +114,31 @@ class ServeSession:
 
     def _ledger(self) -> str:
         if self.verified_ledger is None:
-            return prepare_tree(self.recipe, self.python)
+            ledger, self.launch_check = prepare_tree(self.recipe, self.python)
+            return ledger
         return self.verified_ledger  # the caller checked the model before it ensured the tree
+
+    def _owed_parser_check(self) -> ParserCheck | None:
+        """vLLM's own parser, when the launch check left it owed: a child beside the server."""
+        check = self.launch_check
+        if check is None or not check.parser_owed or check.tree is None:
+            return None
+        return ParserCheck(self.recipe, self.python, check.tree)
+
+    def _wait_ready(self) -> float:
+        """Ready, and vLLM's own parser agreeing: its rejection (24) wins over what it explains
+        (the server's own exit on the same bad option, a marker the option caused)."""
+        assert self.supervisor is not None
+        parser = self.parser_check
+        try:
+            ready_s = self.supervisor.wait_ready(None if parser is None else parser.poll)
+        except M3PatchError as exc:
+            if parser is not None and not isinstance(exc, LaunchRejected):
+                parser.verdict()
+            raise
+        if parser is not None:
+            parser.verdict()
+        return ready_s
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -147,6 +175,8 @@ class ServeSession:
             raise ServerDied(msg, hint=f"see {self.log_path}; then: m3patch serve {self.recipe.path}")
 
     def stop(self) -> None:
+        if self.parser_check is not None:
+            self.parser_check.stop()
         if self.supervisor is None or self.supervisor.proc is None:
             return
         if self.exit_status is None:

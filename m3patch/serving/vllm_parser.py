@@ -25,11 +25,15 @@ Pure: `argv_sources`, `argv_findings`, `spec_key_findings`, `env_findings`. Effe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
+import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -53,12 +57,15 @@ from m3patch.serving.cli_spec import (
     parse_spec,
     spec_document,
 )
+from m3patch.serving.processes import StopRung, start_group, stop_group
 from m3patch.serving.switches import switch_findings
 
 PROBE_SOURCE = Path(__file__).with_name("vllm_cli_probe.py")
 RESULT_PREFIX = "M3PATCH_PROBE_JSON: "
 DEADLINE_ENV = "M3PATCH_VLLM_PARSER_TIMEOUT"
 DEFAULT_DEADLINE_S = 300.0  # importing vLLM's CLI (torch included) takes 15-40 s on a busy host
+# A probe run beside the server only parses: nothing to shut down gracefully.
+PROBE_LADDER = (StopRung(signal.SIGTERM, 5.0), StopRung(signal.SIGKILL, float("inf")))
 CACHE_SCHEMA = 1
 # Options m3patch renders from other recipe sections: a finding on them names that section.
 OWN_OPTIONS = {
@@ -84,6 +91,9 @@ class LaunchCheck:
     checked_by: str  # what checked the launch, for the dry-run's header line
     vllm_parser: bool  # False: no target interpreter with vLLM here; static checks only
     tree: VllmTree | None = None  # the tree whose parser answered: apply-verify patches this one
+    # The static checks passed; vLLM's own parser is still to answer (`check_launch(defer=True)`):
+    # the launch starts it as a ParserCheck beside the server and waits for it before success.
+    parser_owed: bool = False
 
 
 # ---- pure ----------------------------------------------------------------------------------
@@ -232,28 +242,52 @@ def deadline_s() -> float:
     return value
 
 
+def _probe_popen_args(python: str, argv: list[str] | None, env: Mapping[str, str],
+                      spec: bool) -> tuple[list[str], str, dict[str, str]]:
+    """The probe's command line, its stdin request and its environment."""
+    request = json.dumps({"argv": argv, "spec": spec})
+    return ([python, "-c", PROBE_SOURCE.read_text(encoding="utf-8")], request,
+            {**env, "VLLM_CONFIGURE_LOGGING": "0"})
+
+
+def _probe_fix(python: str) -> str:
+    return f"check that `{python} -c 'import vllm'` works, or raise {DEADLINE_ENV}"
+
+
+def _probe_timed_out(python: str, limit: float) -> LaunchRejected:
+    msg = f"vLLM's argument parser in {python} did not answer within {limit:.0f} s"
+    return LaunchRejected(msg, hint=_probe_fix(python))
+
+
+def _probe_unstartable(python: str, exc: OSError) -> LaunchRejected:
+    msg = f"cannot run {python} to check the launch with vLLM's parser: {exc}"
+    return LaunchRejected(msg, hint=_probe_fix(python))
+
+
 def run_probe(python: str, argv: list[str] | None, env: Mapping[str, str], *,
               spec: bool = False) -> dict[str, Any]:
     """The probe's JSON from `python` (its own vLLM); a deadline, and no engine is started.
     With `spec`, also each JSON option's config-class keys (for the series' launch spec)."""
-    request = json.dumps({"argv": argv, "spec": spec})
+    cmd, request, child_env = _probe_popen_args(python, argv, env, spec)
     limit = deadline_s()
-    fix = f"check that `{python} -c 'import vllm'` works, or raise {DEADLINE_ENV}"
     try:
-        proc = subprocess.run(
-            [python, "-c", PROBE_SOURCE.read_text(encoding="utf-8")], input=request,
-            capture_output=True, text=True, check=False, timeout=limit, cwd="/",
-            env={**env, "VLLM_CONFIGURE_LOGGING": "0"})
+        proc = subprocess.run(cmd, input=request, capture_output=True, text=True, check=False,
+                              timeout=limit, cwd="/", env=child_env)
     except subprocess.TimeoutExpired:
-        msg = f"vLLM's argument parser in {python} did not answer within {limit:.0f} s"
-        raise LaunchRejected(msg, hint=fix) from None
+        raise _probe_timed_out(python, limit) from None
     except OSError as exc:
-        msg = f"cannot run {python} to check the launch with vLLM's parser: {exc}"
-        raise LaunchRejected(msg, hint=fix) from None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip() or proc.stdout.strip())[-600:]
-        msg = f"vLLM's argument parser in {python} failed (exit {proc.returncode}): {tail}"
+        raise _probe_unstartable(python, exc) from None
+    return probe_answer(python, proc.returncode, proc.stdout, proc.stderr)
+
+
+def probe_answer(python: str, returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """The probe's JSON answer from its exit status and output; LaunchRejected (fail closed)
+    for a probe that crashed, printed no answer, or found a vLLM that does not import."""
+    fix = _probe_fix(python)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if returncode != 0 or not lines:
+        tail = (stderr.strip() or stdout.strip())[-600:]
+        msg = f"vLLM's argument parser in {python} failed (exit {returncode}): {tail}"
         raise LaunchRejected(msg, hint=fix)
     where = f"vLLM's argument parser in {python} printed"
     data: dict[str, Any] = parse_json(lines[-1].removeprefix(RESULT_PREFIX), where,
@@ -379,6 +413,10 @@ def _cached_verdict(path: Path, tree: VllmTree) -> dict[str, Any] | None:
     return cached
 
 
+def _verdict_path(python: str, tree: VllmTree, argv: list[str], env: Mapping[str, str]) -> Path:
+    return cache_root() / "vllm-cli" / "verdicts" / f"{verdict_key(python, tree, argv, env)}.json"
+
+
 def probe_once(python: str, tree: VllmTree, argv: list[str],
                env: Mapping[str, str]) -> dict[str, Any]:
     """The probe's answer for this exact launch, from the verdict cache when the same launch
@@ -386,18 +424,22 @@ def probe_once(python: str, tree: VllmTree, argv: list[str],
     changed since (a series that patches none of them keeps the answer: the launch after the
     first apply asks nothing): importing vLLM costs 10-60 s per serve on a 2-core host. The
     cached answer is validated like the probe's own before use."""
-    path = cache_root() / "vllm-cli" / "verdicts" / f"{verdict_key(python, tree, argv, env)}.json"
+    path = _verdict_path(python, tree, argv, env)
     cached = _cached_verdict(path, tree)
     if cached is not None:
         return cached
     dump = run_probe(python, argv, env)
+    _cache_verdict(path, tree, dump)
+    return dump
+
+
+def _cache_verdict(path: Path, tree: VllmTree, dump: dict[str, Any]) -> None:
     files = _file_hashes(tree, dump.get("vllm_files"))
     if not isinstance(dump.get("no_vllm"), str) and files is not None:
         try:
             write_json_atomic(path, {"files": files, "dump": dump})
         except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
             warn(f"could not cache vLLM's parser answer: {exc.message}")
-    return dump
 
 
 def _store(python: str, version: str, dump: dict[str, Any]) -> None:
@@ -473,13 +515,16 @@ def _version_gate(tree: VllmTree, series: Series, python: str, other_vllm: bool)
 
 def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = None, *,
                  spawn: bool = True, other_vllm: bool = False,
-                 located: VllmTree | None = None) -> LaunchCheck:
+                 located: VllmTree | None = None, defer: bool = False) -> LaunchCheck:
     """The one launch check of `recipe validate`, `serve --dry-run` and every preflight:
     m3patch's own switches, then vLLM's own parser in `python` when it imports the series'
     target vLLM (`spawn`), else the series' shipped spec. LaunchRejected (24) naming every bad
     recipe key; VersionMismatch (4) when `python`'s vLLM is not the target (`other_vllm`:
     warn, and check with its parser and the spec both). `located`: the tree an earlier check
-    of the same interpreter found (one locate per run)."""
+    of the same interpreter found (one locate per run). `defer` (a real launch): when the
+    parser's verdict is not cached, check everything else now, the shipped spec included, and
+    leave the parser owed (`parser_owed`): the launch runs it as a ParserCheck beside the
+    server, which costs no wait before `vllm serve` starts."""
     env = dict(os.environ) if env is None else env
     series = load_series(recipe.series_dir)
     spec = series_spec(series)
@@ -488,7 +533,19 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
     dump: dict[str, Any] = {}
     if tree is not None:
         _version_gate(tree, series, python, other_vllm)
-        dump = probe_once(python, tree, list(recipe.serve_args()), env)
+        argv = list(recipe.serve_args())
+        path = _verdict_path(python, tree, argv, env)
+        cached = _cached_verdict(path, tree)
+        if cached is None and defer and not other_vllm:
+            static, checked_by = _static_findings(recipe, spec)
+            _refuse(recipe, findings + static)
+            return LaunchCheck(f"{checked_by}; vLLM {tree.version}'s own parser ({python}) "
+                               "answers alongside the start", vllm_parser=True, tree=tree,
+                               parser_owed=True)
+        if cached is None:
+            cached = run_probe(python, argv, env)
+            _cache_verdict(path, tree, cached)
+        dump = cached
         if isinstance(dump.get("no_vllm"), str):  # a --vllm-root tree the interpreter lacks
             tree, why = None, f"{python} cannot import vllm ({dump['no_vllm']})"
     if tree is None or other_vllm:
@@ -503,6 +560,94 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
     _refuse(recipe, findings)
     return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True,
                        tree=tree)
+
+
+class ParserCheck:
+    """vLLM's own parser on a launch, run as a child beside the server (`check_launch(defer=
+    True)` left it owed). `poll` raises the verdict once the child has answered; `verdict`
+    waits for it (under the probe's deadline); both raise LaunchRejected (24) exactly as the
+    up-front check would, and fail closed alike on a crash or timeout. `stop` ends the child
+    through the stop ladder: call it on every exit path."""
+
+    def __init__(self, recipe: Recipe, python: str, tree: VllmTree,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.recipe, self.python, self.tree = recipe, python, tree
+        self._env = dict(os.environ) if env is None else dict(env)
+        self._argv = list(recipe.serve_args())
+        cmd, request, child_env = _probe_popen_args(python, self._argv, self._env, False)
+        self._limit = deadline_s()
+        self._fds: list[int] = []  # the child's output, read once it has exited
+        try:
+            self._fds = [_unlinked_temp_fd() for _ in range(2)]
+            self.proc = start_group(cmd, stdin=subprocess.PIPE, stdout=self._fds[0],
+                                    stderr=self._fds[1], cwd="/", env=child_env)
+        except OSError as exc:
+            self._close()
+            raise _probe_unstartable(python, exc) from None
+        self._deadline = time.monotonic() + self._limit
+        self._error: LaunchRejected | None = None
+        self._answered = False
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # a child that died at once: its status says
+            self.proc.stdin.write(request.encode())
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+
+    def poll(self) -> None:
+        """Raise the verdict once the child has answered or run past its deadline; nothing
+        while it is still parsing within it."""
+        if (self._answered or self.proc.poll() is not None
+                or time.monotonic() >= self._deadline):
+            self.verdict()
+
+    def verdict(self) -> None:
+        """Wait for the child's answer and judge it; LaunchRejected (24) if vLLM would refuse."""
+        if not self._answered:
+            try:
+                self._judge()
+            except LaunchRejected as exc:
+                self._error = exc
+            self._answered = True  # not on an interrupt: the launch never passes unjudged
+        if self._error is not None:
+            raise self._error
+
+    def _judge(self) -> None:
+        try:
+            code = self.proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise _probe_timed_out(self.python, self._limit) from None
+        out, err = (_read_fd(fd) for fd in self._fds)
+        self._close()
+        dump = probe_answer(self.python, code, out, err)
+        _cache_verdict(_verdict_path(self.python, self.tree, self._argv, self._env), self.tree,
+                       dump)
+        if not isinstance(dump.get("no_vllm"), str):  # else the static checks were the check
+            _refuse(self.recipe, _probe_findings(self.recipe, self.python, self.tree, dump))
+
+    def stop(self) -> None:
+        """End the child and anything it started (nothing left once it has answered)."""
+        stop_group(self.proc, PROBE_LADDER)
+        self._close()
+
+    def _close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _unlinked_temp_fd() -> int:
+    fd, name = tempfile.mkstemp(prefix="m3patch-probe-")
+    Path(name).unlink()
+    return fd
+
+
+def _read_fd(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def _probe_findings(recipe: Recipe, python: str, tree: VllmTree,

@@ -7,10 +7,15 @@ Phases (each timed inside a fresh interpreter; `total` is the parent's wall time
 interpreter, start-up and imports included):
   recipe        load and validate the recipe (`recipe.loader.load_recipe`)
   model         the model files on disk (`recipe.model_files.require_present`)
-  launch-check  the one launch check: switches, then vLLM's own parser in the target interpreter
-                (`serving.vllm_parser.check_launch`; a cached verdict when warm)
+  launch-check  the one launch check as a real launch runs it: switches and the series' shipped
+                spec, and vLLM's own parser's cached verdict when there is one
+                (`serving.vllm_parser.check_launch(defer=True)`)
   apply-verify  the series applied (idempotent) and verified (`serving.launch_plan.ensure_tree`,
                 on the tree the launch check located, as the run pipeline does)
+  probe-start   when no verdict is cached (cold): starting vLLM's own parser as a child beside
+                the server (`serving.vllm_parser.ParserCheck`); `vllm serve` starts right after
+Not in `total`: `probe-beside`, how long after its start the probe's verdict came (cold; the
+server is starting meanwhile, and readiness waits for it; timed here so the next run is warm).
 The serve path runs no marker lint (that is `series lock`, `recipe validate`, `markers lint`).
 
 "cold" = an empty M3PATCH_CACHE and a tree with no series applied (reverted first); "warm" =
@@ -33,7 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PHASES = ("recipe", "model", "launch-check", "apply-verify")
+PHASES = ("recipe", "model", "launch-check", "apply-verify", "probe-start")
 CHILD = """
 import json, sys, time
 from pathlib import Path
@@ -41,8 +46,8 @@ t0 = time.perf_counter()
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.model_files import require_present
 from m3patch.serving.launch_plan import ensure_tree
-from m3patch.serving.vllm_parser import check_launch
-out = {"imports": time.perf_counter() - t0}
+from m3patch.serving.vllm_parser import ParserCheck, check_launch
+out = {"imports": time.perf_counter() - t0, "probe-start": 0.0, "probe-beside": 0.0}
 def step(name, fn):
     start = time.perf_counter()
     value = fn()
@@ -51,8 +56,14 @@ def step(name, fn):
 recipe = step("recipe", lambda: load_recipe(Path(sys.argv[1])))
 python = recipe.target.python
 step("model", lambda: require_present(recipe))
-check = step("launch-check", lambda: check_launch(recipe, python))
+check = step("launch-check", lambda: check_launch(recipe, python, defer=True))
 step("apply-verify", lambda: ensure_tree(recipe, python, check.tree))
+if check.parser_owed:
+    probe = step("probe-start", lambda: ParserCheck(recipe, python, check.tree))
+    try:
+        step("probe-beside", probe.verdict)
+    finally:
+        probe.stop()
 out["checked_by"] = check.checked_by.replace(python, "VENV/bin/python")
 print("BENCH " + json.dumps(out))
 """
@@ -67,7 +78,8 @@ def one_run(env: dict[str, str], recipe: str) -> dict[str, object]:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"launch phases failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, object] = json.loads(lines[-1].removeprefix("BENCH "))
-    result["total"] = total
+    # Up to `vllm serve`'s start: the interpreter's own start-up, and no probe verdict waited.
+    result["total"] = total - float(str(result["probe-beside"]))
     return result
 
 
@@ -93,8 +105,8 @@ def main() -> int:
         revert(env, python)
         runs = [("cold", one_run(env, recipe))]
         runs += [(f"warm {i}", one_run(env, recipe)) for i in range(1, args.runs + 1)]
-    columns = ["run", "imports", *PHASES, "total (s)"]
-    rows = [[name, *(f"{float(r[c]):.2f}" for c in ("imports", *PHASES, "total"))]
+    columns = ["run", "imports", *PHASES, "total (s)", "probe-beside"]
+    rows = [[name, *(f"{float(r[c]):.2f}" for c in ("imports", *PHASES, "total", "probe-beside"))]
             for name, r in runs]
     widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows, strict=True)]
     for row in (columns, *rows):
