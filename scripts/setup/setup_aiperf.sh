@@ -13,27 +13,7 @@
 set -euo pipefail
 
 VENV="${1:-${M3PATCH_AIPERF_VENV:-$HOME/.cache/m3patch/aiperf-venv}}"
-PYTHON="${PYTHON:-python3}"
 AIPERF_VERSION='0.13.0'   # m3patch.bench.agentic.aiperf.AIPERF_VERSION: the export it scores
 
-log() { printf 'setup_aiperf: %s\n' "$*" >&2; }
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-    log "creating venv at $VENV"
-    mkdir -p "$(dirname "$VENV")"
-    "$PYTHON" -m venv "$VENV"
-fi
-
-installed="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("aiperf"))' 2>/dev/null || true)"
-if [[ "$installed" == "$AIPERF_VERSION" && -x "$VENV/bin/aiperf" ]]; then
-    log "aiperf $installed already in $VENV"
-    exit 0
-fi
-log "installing aiperf==$AIPERF_VERSION into $VENV (about 2 minutes)"
-if ! "$VENV/bin/pip" install -q "aiperf==$AIPERF_VERSION" >"$VENV/pip-install.log" 2>&1; then
-    cat "$VENV/pip-install.log" >&2
-    log "installing aiperf failed"
-    exit 1
-fi
-"$VENV/bin/aiperf" --version >/dev/null || { log "aiperf does not run"; exit 1; }
-log "aiperf $AIPERF_VERSION ready: $VENV/bin/python"
+source "$(dirname "${BASH_SOURCE[0]}")/pinned_venv.sh"
+pinned_venv setup_aiperf "$VENV" aiperf "$AIPERF_VERSION" aiperf --version "about 2 minutes"

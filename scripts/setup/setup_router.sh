@@ -11,26 +11,7 @@
 set -euo pipefail
 
 VENV="${1:-${M3PATCH_ROUTER_VENV:-$HOME/.cache/m3patch/vllm-router-venv}}"
-PYTHON="${PYTHON:-python3}"
 ROUTER_VERSION='0.1.17'
 
-log() { printf 'setup_router: %s\n' "$*" >&2; }
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-    log "creating venv at $VENV"
-    mkdir -p "$(dirname "$VENV")"
-    "$PYTHON" -m venv "$VENV"
-fi
-installed="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-router"))' 2>/dev/null || true)"
-if [[ "$installed" == "$ROUTER_VERSION" && -x "$VENV/bin/vllm-router" ]]; then
-    log "vllm-router $installed already in $VENV"
-    exit 0
-fi
-log "installing vllm-router==$ROUTER_VERSION into $VENV (under a minute)"
-if ! "$VENV/bin/pip" install -q "vllm-router==$ROUTER_VERSION" >"$VENV/pip-install.log" 2>&1; then
-    cat "$VENV/pip-install.log" >&2
-    log "installing vllm-router failed"
-    exit 1
-fi
-"$VENV/bin/vllm-router" --help > /dev/null || { log "vllm-router does not run"; exit 1; }
-log "vllm-router $ROUTER_VERSION ready: $VENV/bin/vllm-router"
+source "$(dirname "${BASH_SOURCE[0]}")/pinned_venv.sh"
+pinned_venv setup_router "$VENV" vllm-router "$ROUTER_VERSION" vllm-router --help "under a minute"
