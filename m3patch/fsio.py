@@ -223,11 +223,14 @@ def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint
 STATE_MAX_BYTES = 256 << 20  # no state file m3patch writes comes near this
 
 
-def read_state(path: Path, limit: int = STATE_MAX_BYTES) -> bytes:
+def read_state(path: Path, limit: int = STATE_MAX_BYTES, *, links: bool = False) -> bytes:
     """The bytes of a state file m3patch wrote, read as untrusted: never through a symlink
     (ELOOP), only a regular file (a FIFO would block, /dev/zero never ends: EINVAL), at most
-    `limit` bytes (EFBIG). Raises OSError (FileNotFoundError when missing), like read_bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    `limit` bytes (EFBIG). Raises OSError (FileNotFoundError when missing), like read_bytes.
+    `links`: a file another tool lays out as a link (the Hugging Face cache links each snapshot
+    file to its blob) is followed; it must still end at a regular file within `limit`."""
+    nofollow = 0 if links else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -247,11 +250,11 @@ def read_state(path: Path, limit: int = STATE_MAX_BYTES) -> bytes:
 
 
 def read_json(path: Path, *, error: type[M3PatchError], hint: str, expect: type = object,
-              missing_ok: bool = False) -> Any:
-    """Read and parse `path` (`read_state`: no link, no FIFO, no device, bounded); None for a
-    missing file when `missing_ok`, else `error`."""
+              missing_ok: bool = False, links: bool = False) -> Any:
+    """Read and parse `path` (`read_state`: no link unless `links`, no FIFO, no device,
+    bounded); None for a missing file when `missing_ok`, else `error`."""
     try:
-        data = read_state(path)
+        data = read_state(path, links=links)
     except FileNotFoundError:
         if missing_ok:
             return None

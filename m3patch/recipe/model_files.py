@@ -162,7 +162,7 @@ def _missing_shards(snapshot: Path, weights: bool) -> list[str]:
         if index.stat().st_size > INDEX_LIMIT:
             return [f"{name} (over {INDEX_LIMIT >> 20} MiB: not an index)"]
         try:
-            data = read_json(index, error=ModelMissing, hint="", expect=dict)
+            data = read_json(index, error=ModelMissing, hint="", expect=dict, links=True)
         except ModelMissing as exc:
             return [f"{name} ({exc.message})"]
         weight_map = data.get("weight_map")

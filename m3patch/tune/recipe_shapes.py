@@ -93,7 +93,8 @@ def model_config_path(recipe: Recipe, override: Path | None) -> Path:
 
 
 def read_model_config(path: Path) -> dict[str, Any]:
-    config: dict[str, Any] = read_json(path, error=UsageError, expect=dict,
+    # links: the Hugging Face cache links each snapshot file to its blob
+    config: dict[str, Any] = read_json(path, error=UsageError, expect=dict, links=True,
                                        hint="pass the model's config.json with --model-config")
     return config
 

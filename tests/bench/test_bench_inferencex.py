@@ -186,9 +186,10 @@ def test_an_inferencex_pp2_row_counts_its_real_gpus(tmp_path: Path) -> None:
     path.write_text(json.dumps(row))
     [read] = load_aggregate(path)["rows"]
     assert read["gpu_count"] == 2 and read["pp"] == 2 and read["parallelism"] == "TP1+PP2"
-    # A PP2 row is another shape than a TP1 row, never a +100 % speedup.
+    # A PP2 row is another shape than a TP1 row, never a +100 % speedup: nothing is compared,
+    # which a regression gate must not take as a pass (17), and the JSON says so.
     out = tmp_path / "cmp.json"
-    assert main(["bench", "compare", str(INFERENCEX_ROW), str(path), "--json", str(out)]) == 0
+    assert main(["bench", "compare", str(INFERENCEX_ROW), str(path), "--json-file", str(out)]) == 17
     assert json.loads(out.read_text())["compared"] == []
 
 

@@ -50,9 +50,11 @@ def test_show_server_groups_fit_a_terminal(m3patch_cli: Cli) -> None:
     assert show.returncode == 0, show.stderr
     groups = show.stdout[show.stdout.index("server groups"):].splitlines()
     assert max(len(line) for line in groups) <= 110, groups
-    assert groups[-2].split()[1:] == ["1024/1024:", "c1,2,4,8,16,32,64;", "8192/1024:",
-                                      "c1,2,4,8,16,32", "nothing", "(the", "recipe's", "server)"]
-    assert groups[-1].split()[1:] == ["8192/1024:", "c64,128", "--linear-backend", "emulation"]
+    # each cell's server gets InferenceX's isl + osl + 256 (GPU recipes size per cell)
+    assert [line.split()[1:] for line in groups[-3:]] == [
+        ["1024/1024:", "c1,2,4,8,16,32,64", "--max-model-len", "2304"],
+        ["8192/1024:", "c1,2,4,8,16,32", "--max-model-len", "9472"],
+        ["8192/1024:", "c64,128", "--linear-backend", "emulation", "--max-model-len", "9472"]]
 
 
 def test_show_and_dry_run_print_the_launch_and_start_nothing(m3patch_cli: Cli,
