@@ -4,7 +4,7 @@
 # against a real m3patch run folder, and print where the two disagree. InferenceX is not part of
 # m3patch: check out SemiAnalysisAI/InferenceX yourself and give its utils/ folder. PYTHON must
 # have psycopg2 and tabulate (compare_results imports them); no database is contacted.
-# Usage: PYTHON=python3 scripts/inferencex_check.sh INFERENCEX/utils RUN_DIR
+# Usage: PYTHON=python3 scripts/ci/inferencex_check.sh INFERENCEX/utils RUN_DIR
 set -euo pipefail
 UTILS=$1; RUN=$2; WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-python3}
