@@ -30,6 +30,7 @@ from m3patch.bench.agentic.results import ROW_FIELDS as AGENTIC_FIELDS
 from m3patch.bench.agentic.results import agentic_row, is_agentic, read_agentic_cell
 from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
+    BURST_FLOOR_MS,
     FIX_HINT,
     METRICS,
     invalid,
@@ -79,7 +80,6 @@ NA_FIELDS = ("decode_na", "decode_na_reason")
 # tokens per step still leaves 0.2 ms or more per token. A median TPOT or ITL under 0.1 ms
 # (10,000 tok/s for one user) therefore means the tokens were queued and reached the client in
 # one read: the figure measures that buffering, not the model, so it is reported as n/a.
-BURST_FLOOR_MS = 0.1
 COLUMNS = (
     *KEY_FIELDS, *INFERENCEX_FIELDS, *OWN_FIELDS, *PROVENANCE_FIELDS, "completed", "failed", "duration", "total_token_throughput",
     "output_throughput", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",

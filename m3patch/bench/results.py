@@ -16,6 +16,10 @@ from m3patch.bench.cells import Cell
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json, write_json_atomic
 
+# Below this median time per output token the client did not see a decode, only the tokens of
+# one network chunk: decode figures are null with the reason (aggregate.py, agentic scoring).
+BURST_FLOOR_MS = 0.1
+
 CELL_SCHEMA = 1
 METRICS = ("ttft", "tpot", "itl", "e2el")
 # Required in every per-cell file (vLLM always writes median_*; p90/p99 were requested by every

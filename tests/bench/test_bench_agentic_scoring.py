@@ -63,6 +63,22 @@ def test_e2e_normalised_interactivity_is_one_over_p90_of_e2el_per_osl() -> None:
     assert fields["p90_e2el"] == pytest.approx(3.7)
 
 
+@pytest.mark.parametrize("itl_ms", [0.03, None])
+def test_tokens_in_one_chunk_give_no_decode_figures_but_the_e2e_headline(
+        itl_ms: float | None) -> None:
+    """As the fixed-length rows: a median ITL under the burst floor (the tokens of one network
+    chunk), or no gap at all, is not a decode; ITL, TPOT and interactivity stay out, with the
+    reason, and E2E-normalised interactivity (timed over the whole request) stays."""
+    records = [record(1000, 16, itl_ms=itl_ms or 0.0) for _ in range(3)]
+    if itl_ms is None:
+        for r in records:
+            del r["metrics"]["inter_token_latency"]
+    fields = score(records, gpu_count=1)
+    assert fields["decode_na"] == "burst" and "interactivity" in fields["decode_na_reason"]
+    assert not [k for k in fields if k.endswith(("_itl", "_tpot", "_intvty")) and "e2e" not in k]
+    assert fields["p90_e2e_norm_intvty"] == pytest.approx(16.0)
+
+
 def test_throughput_spans_first_start_to_last_end_and_divides_by_gpus() -> None:
     fields = score(RECORDS, gpu_count=2)
     # 4 requests x (100 in + 10 out) over 0 .. 5 s (the last starts at 1 s and takes 4 s).

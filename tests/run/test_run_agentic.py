@@ -69,8 +69,13 @@ def test_ci_replays_sessions_with_aiperf_and_scores_them_as_inferencex(
         assert 0 < data["server_gpu_cache_hit_rate"] < 1
         headline = data["p90_e2e_norm_intvty"]
         assert math.isfinite(headline) and headline > 0
-        # Interactivity over the whole request can only be slower than between tokens.
-        assert headline < data["p50_intvty"]
+        # Interactivity over the whole request can only be slower than between tokens; with
+        # tokens in one chunk (--stream-interval, as InferenceX sets it) there is no decode
+        # figure to compare, only its reason.
+        if data.get("decode_na") is None:
+            assert headline < data["p50_intvty"]
+        else:
+            assert data["decode_na"] == "burst" and "p50_intvty" not in data
         assert data["tput_per_gpu"] > data["output_tput_per_gpu"] > 0
         prov = data["m3patch"]["provenance"]
         assert prov["verified"] is True and prov["ledger_sha256"]

@@ -115,6 +115,7 @@ ROW_FIELDS = (
     *(f"{stat}_{m}" for m in ("ttft", "e2el", "itl", "tpot", "intvty", "e2e_norm_intvty")
       for stat in ("mean", "p50", "p75", "p90", "p95", "std")),
     "server_prefix_cache_queries", "server_prefix_cache_hits", *OPTIONAL_NUMBERS[:5],
+    "decode_na", "decode_na_reason",
 )  # fmt: skip
 KEY_FIELDS = ("cell_id", "concurrency", "tp", "pp", "ep", "dp", "dp_attention", "gpu_count",
               "parallelism", "kv_offload_label", "trace")

@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from m3patch.bench.results import BURST_FLOOR_MS
+
 STATS = ("mean", "p50", "p75", "p90", "p95")
 PERCENTILES = {"p50": 50, "p75": 75, "p90": 90, "p95": 95}
 PROFILING = "profiling"
@@ -91,19 +93,37 @@ def _seconds(records: Sequence[dict[str, Any]], key: str) -> list[float]:
     return [v / MS_PER_S for v in values if v is not None and v > 0]
 
 
-def latency_fields(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+def latency_fields(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ttft = _seconds(records, "time_to_first_token")
     e2el = _seconds(records, "request_latency")
     itl = _seconds(records, "inter_token_latency")
-    out = {**stats_for("ttft", ttft), **stats_for("e2el", e2el)}
+    out: dict[str, Any] = {**stats_for("ttft", ttft), **stats_for("e2el", e2el)}
+    ratios = e2e_per_osl(records)
+    ratio_stats = stats_for("e2el_per_osl", ratios)
+    out.update(inverse_stats(ratio_stats, ratios, "e2el_per_osl", "e2e_norm_intvty"))
+    burst = decode_burst(itl)
+    if burst is not None:  # as the fixed-length rows: no figure the client could not time
+        out.update({"decode_na": "burst", "decode_na_reason": burst})
+        return out
     itl_stats = stats_for("itl", itl)
     out.update(itl_stats)
     out.update({key.replace("_itl", "_tpot"): value for key, value in itl_stats.items()})
     out.update(inverse_stats(itl_stats, itl, "itl", "intvty"))
-    ratios = e2e_per_osl(records)
-    ratio_stats = stats_for("e2el_per_osl", ratios)
-    out.update(inverse_stats(ratio_stats, ratios, "e2el_per_osl", "e2e_norm_intvty"))
     return out
+
+
+def decode_burst(itl: Sequence[float]) -> str | None:
+    """Why the ITL figures are not a decode (None when they are): no gap between tokens reached
+    the client (every response in one chunk, e.g. --stream-interval above the output length), or
+    the median gap is under BURST_FLOOR_MS, the time between tokens of one network chunk."""
+    if not itl:
+        return ("no inter-token gap reached the client (each response arrived in one chunk): "
+                "ITL, TPOT and interactivity cannot be timed; E2E-normalised interactivity can")
+    median_ms = statistics.median(itl) * MS_PER_S
+    if median_ms < BURST_FLOOR_MS:
+        return (f"median ITL {median_ms:.4f} ms is under the {BURST_FLOOR_MS} ms floor: the tokens "
+                "reached the client in chunks, not one by one; E2E-normalised interactivity holds")
+    return None
 
 
 def e2e_per_osl(records: Sequence[dict[str, Any]]) -> list[float]:
