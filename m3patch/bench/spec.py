@@ -18,6 +18,7 @@ from typing import Any
 from m3patch.bench.cells import AgenticCell, AnyCell, Cell, Parallelism, sweep_cells
 from m3patch.bench.matrix import MatrixRecipe
 from m3patch.errors import UsageError
+from m3patch.fsio import read_state
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import find_vllm
 from m3patch.patching.series import load_series
@@ -170,7 +171,7 @@ def provenance(recipe: Recipe, python: str | None, server: str) -> dict[str, Any
     if ledger is None:
         return base
     base.update(series=ledger.series, patches=_patch_hashes(recipe, ledger.patches),
-                ledger_sha256=digest(ledger_path(tree.root).read_bytes()),
+                ledger_sha256=digest(read_state(ledger_path(tree.root))),
                 vllm_version=ledger.vllm_version, vllm_commit=ledger.vllm_commit)
     return base
 

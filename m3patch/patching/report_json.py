@@ -17,6 +17,7 @@ from typing import Any
 
 from m3patch import __version__, errors_handler
 from m3patch.errors import M3PatchError
+from m3patch.fsio import read_state
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import VllmTree, find_vllm
 
@@ -27,7 +28,7 @@ def ledger_fields(tree: VllmTree) -> dict[str, Any]:
     """The ledger's digest and recorded mode, or nulls; a ledger that does not parse gives its
     digest and a null mode (status and verify name why in their notes)."""
     try:
-        data = ledger_path(tree.root).read_bytes()
+        data = read_state(ledger_path(tree.root))  # never a FIFO, a link or /dev/zero
     except OSError:
         return {"ledger_sha256": None, "mode": None}
     try:

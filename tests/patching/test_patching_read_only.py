@@ -3,9 +3,11 @@ not into m3patch's own cache (the parsed-patch and compile memos only apply may 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import pytest
 from core_helpers import CliRunner
 
 
@@ -39,3 +41,23 @@ def test_locate_status_verify_write_nothing_and_apply_fills_the_memos(
     assert m3patch_cli("apply", *where, env=env).returncode == 0
     assert any((cache / "parsed").iterdir())  # the control: a writing command does fill it
     read_only_round()  # patched: verify compiles every patched .py
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_status_json_on_a_ledger_that_never_ends(kind: str, vllm_tree: Path, test_series: Path,
+                                                 m3patch_cli: CliRunner) -> None:
+    """`status --json` names the ledger's digest: a FIFO (blocks forever) or a link to /dev/zero
+    (never ends) must be refused like any unreadable ledger, not read (found by the extended
+    state fuzz: a hang and a MemoryError, exit 70)."""
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert m3patch_cli("apply", *where).returncode == 0
+    ledger = vllm_tree / "vllm" / ".m3patch" / "ledger.json"
+    ledger.unlink()
+    if kind == "fifo":
+        os.mkfifo(ledger)
+    else:
+        ledger.symlink_to("/dev/zero")
+    done = m3patch_cli("status", "--json", *where, timeout=30)
+    assert done.returncode != 70, done.stderr  # status reports; verify is the gate
+    assert "internal error" not in done.stderr
+    assert json.loads(done.stdout)["ledger_sha256"] is None
