@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from m3patch.errors import EvalError, ModelMissing
+from m3patch.errors import EvalError, M3PatchError, ModelMissing
 from m3patch.recipe.evals import EvalSpec, EvalTask
 from m3patch.recipe.model_files import env_hub_cache
 
@@ -59,15 +59,29 @@ def fetch(spec: EvalSpec, recipe_path: Path) -> tuple[str, ...]:
         env = {k: v for k, v in os.environ.items()
                if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
         argv = [spec.python, "-c", FETCH_SCRIPT, task.dataset, task.dataset_name or ""]
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, env=env,
-                                  timeout=FETCH_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}: {exc}"
-            raise ModelMissing(msg, hint="bash scripts/setup/setup_lm_eval.sh; check the network") from None
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            msg = f"{recipe_path}: cannot fetch eval dataset {task.dataset}:\n{tail}"
-            raise ModelMissing(msg, hint="check the network (HTTPS_PROXY) and the dataset id")
-        fetched.append(f"{task.dataset} {done.stdout.strip()}")
+        what = f"{recipe_path}: cannot fetch eval dataset {task.dataset}"
+        folder = run_fetch(argv, env, FETCH_TIMEOUT_S, what=what, failed=what,
+                           spawn_error=ModelMissing,
+                           spawn_hint="bash scripts/setup/setup_lm_eval.sh; check the network",
+                           fail_hint="check the network (HTTPS_PROXY) and the dataset id")
+        fetched.append(f"{task.dataset} {folder}")
     return tuple(fetched)
+
+
+def run_fetch(argv: list[str], env: Mapping[str, str] | None, timeout: float, *, what: str,
+              failed: str, spawn_error: type[M3PatchError], spawn_hint: str,
+              fail_hint: str) -> str:
+    """Run a hub download script in a client's own interpreter (lm-eval's, AIPerf's); what it
+    printed (the snapshot folder). A child that cannot start or overruns is `spawn_error`
+    ("WHAT: why"); one that exits non-zero is ModelMissing with its last stderr lines."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        msg = f"{what}: {exc}"
+        raise spawn_error(msg, hint=spawn_hint) from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        msg = f"{failed}:\n{tail}"
+        raise ModelMissing(msg, hint=fail_hint)
+    return done.stdout.strip()

@@ -9,14 +9,13 @@ as they do for eval datasets.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 from m3patch.bench.agentic.aiperf import check_client
 from m3patch.bench.agentic.lmcache import check_lmcache
 from m3patch.errors import AgenticClientError, ModelMissing
-from m3patch.eval.datasets import dataset_folder
+from m3patch.eval.datasets import dataset_folder, run_fetch
 from m3patch.recipe.agentic import AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache
 
@@ -54,17 +53,12 @@ def require_trace(trace: TraceSource, recipe_path: Path) -> None:
 def fetch_trace(trace: TraceSource, python: str) -> str:
     """Download a hub trace dataset with AIPerf's interpreter; the snapshot folder it wrote."""
     assert trace.dataset is not None
-    try:
-        done = subprocess.run([python, "-c", FETCH_SCRIPT, trace.dataset, trace.revision or ""],
-                              capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        msg = f"fetching trace dataset {trace.dataset}: {exc}"
-        raise AgenticClientError(msg, hint="bash scripts/setup/setup_aiperf.sh, then retry") from None
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        msg = f"fetching trace dataset {trace.dataset} failed:\n{tail}"
-        raise ModelMissing(msg, hint="check the dataset id and your hub access, then retry")
-    return done.stdout.strip()
+    what = f"fetching trace dataset {trace.dataset}"
+    return run_fetch([python, "-c", FETCH_SCRIPT, trace.dataset, trace.revision or ""], None,
+                     FETCH_TIMEOUT_S, what=what, failed=f"{what} failed",
+                     spawn_error=AgenticClientError,
+                     spawn_hint="bash scripts/setup/setup_aiperf.sh, then retry",
+                     fail_hint="check the dataset id and your hub access, then retry")
 
 
 def preflight(scenario: AgenticScenario, recipe_path: Path, serving_python: str) -> str:
