@@ -36,6 +36,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 31   | AgenticClientError    | AIPerf (the agentic client) is missing, not the pinned version, failed, or left no valid export |
 | 32   | KvOffloadError        | the KV-offload tier failed: LMCache not the pinned version, a server not healthy by its deadline |
 | 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
+| 35   | FileNameEncoding      | a patch path this locale's file-system encoding cannot name    |
 | 37   | WaiverIncomplete      | `series waiver`: a series entry lacks why, upstream or drop-when |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM (SIGHUP/SIGQUIT where not ignored)             |
@@ -211,6 +212,14 @@ class UnsafeState(M3PatchError):
     exit_code = 34
 
 
+class FileNameEncoding(M3PatchError):
+    """A patch (or ledger, journal) path this process cannot hand to the file system: its
+    file-system encoding (an ASCII locale with UTF-8 mode off) has no bytes for a character of
+    the name. Refused before anything is read or written, so no command acts on half a series."""
+
+    exit_code = 35
+
+
 class WaiverIncomplete(M3PatchError):
     """An InferenceX patch waiver cannot be written: a series entry states no why, upstream or
     drop-when (the waiver's reason, links and removal plan)."""
@@ -229,5 +238,6 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     LockTimeout, HostilePatch, ServerExited, ReadyTimeout, MarkerMissing, MarkerForbidden,
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
-    NodeLost, NodeAddress, RunDirBusy, OutputFailed, UnsafeState, WaiverIncomplete, Interrupted,
+    NodeLost, NodeAddress, RunDirBusy, OutputFailed, UnsafeState, FileNameEncoding,
+    WaiverIncomplete, Interrupted,
 )

@@ -12,11 +12,12 @@ import io
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from m3patch.errors import HostilePatch, UsageError
+from m3patch.errors import FileNameEncoding, HostilePatch, UsageError
 
 if TYPE_CHECKING:
     from unidiff.patch import Hunk as UnidiffHunk
@@ -78,7 +79,8 @@ _NAME_MAX, _PATH_MAX = 255, 4000  # bytes; Linux NAME_MAX and (with room for the
 
 def check_rel_path(path: str, where: str) -> str:
     """Refuse absolute paths, `..`, anything outside vllm/ or inside m3patch's own state folder,
-    and names the file system cannot hold (HostilePatch, exit 9)."""
+    and names the file system cannot hold (HostilePatch, exit 9), or that this locale cannot
+    encode (FileNameEncoding, exit 35)."""
     # plain strings, not PurePosixPath: this runs for every file of every patch on each load;
     # the parts are PurePosixPath's for a relative path (empty and "." parts dropped)
     parts = [part for part in path.split("/") if part and part != "."]
@@ -99,11 +101,31 @@ def check_rel_path(path: str, where: str) -> str:
         msg = (f"{where}: path {path!r} ends like the writer's own staging or backup names "
                f"({', '.join(WRITER_SUFFIXES)}): it would clash with the transaction of another file")
         raise HostilePatch(msg, hint=hint)
+    _require_nameable(path, where)
     sizes = [len(encode(part)) for part in parts]
     if max(sizes) > _NAME_MAX or sum(sizes) + len(sizes) > _PATH_MAX:
         msg = f"{where}: path {path[:60]!r}... is longer than the file system allows"
         raise HostilePatch(msg, hint=hint)
     return "/".join(parts)
+
+
+def _require_nameable(path: str, where: str) -> None:
+    """Refuse a name every os call would fail on: under an ASCII locale with UTF-8 mode off
+    (`LANG=C PYTHONUTF8=0 PYTHONCOERCECLOCALE=0`) the file-system encoding has no bytes for
+    `é`. Checked where every patch, ledger and journal path enters, so no command gets halfway."""
+    try:
+        path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate: no locale has bytes for it
+        msg = f"{where}: path {path!r} is not a file name in any encoding"
+        raise HostilePatch(msg, hint="patch paths are UTF-8 text") from None
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        char = exc.object[exc.start:exc.end]
+        msg = (f"{where}: path {path!r} holds {char!r}, which this process's file-system "
+               f"encoding ({sys.getfilesystemencoding()}) cannot name")
+        raise FileNameEncoding(msg, hint="run under a UTF-8 locale: export LC_ALL=C.UTF-8 "
+                                         "(or PYTHONUTF8=1), then re-run the command") from None
 
 
 def _strip_prefix(name: str) -> str:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from core_helpers import CliRunner, make_series, new_file_diff
+from core_helpers import CliRunner, append_diff, make_series, new_file_diff
 
 from m3patch import errors
 from m3patch.main import main
@@ -372,3 +372,57 @@ def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == errors.Interrupted.exit_code, err
     assert json.loads(out)["error"]["type"] == "Interrupted"
+
+
+# ------------------------------------------------------------- a non-ASCII file name, ASCII locale
+
+ASCII_LOCALE = {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+
+
+def test_a_non_ascii_patched_name_under_an_ascii_locale_is_refused_before_anything_is_written(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """Before: every tree command ended in 70 (UnicodeEncodeError from os.lstat). The
+    file-system encoding of that process has no bytes for the name, so the command refuses
+    (35) naming the path and the locale fix, on a pristine and on an applied tree alike."""
+    series = make_series(tmp_path / "s", pristine_033, [
+        new_file_diff("vllm/données_é.py", ["x = 1"]), append_diff(pristine_033, ENVS, "# m")])
+    root = ["--vllm-root", str(vllm_tree), "--series", str(series)]
+
+    def refused_everywhere() -> None:
+        for command in (["apply", "--verify"], ["apply"], ["status"], ["verify"], ["revert"],
+                        ["status", "--json"], ["series", "lock", "--tree", str(pristine_033)]):
+            argv = [*command, *(root if command[0] != "series" else ["--series", str(series)])]
+            before = {p.name for p in (vllm_tree / "vllm").iterdir()}
+            done = m3patch_cli(*argv, env=ASCII_LOCALE)
+            assert done.returncode == errors.FileNameEncoding.exit_code, (command, done.stderr)
+            text = done.stdout if "--json" in command else done.stderr
+            assert "vllm/donn\\xe9es_\\xe9.py" in text or "donn\\u00e9es" in text, text
+            assert "LC_ALL=C.UTF-8" in text and "Traceback" not in done.stderr
+            assert {p.name for p in (vllm_tree / "vllm").iterdir()} == before
+
+    refused_everywhere()
+    assert not state(vllm_tree).exists()  # not even the lock
+    assert cli("apply", "--verify", *root)[0] == 0  # a UTF-8 locale applies it
+    applied = (vllm_tree / ENVS).read_bytes()
+    refused_everywhere()
+    assert (vllm_tree / ENVS).read_bytes() == applied
+    assert cli("revert", *root)[0] == 0
+
+
+def test_a_lone_surrogate_in_a_ledger_path_is_a_corrupt_ledger(vllm_tree: Path,
+                                                               test_series: Path) -> None:
+    """No locale has bytes for a lone surrogate (JSON can spell one: "\\ud800"): such a ledger
+    path is confined like any hostile one, never a crash."""
+    from m3patch.patching.diffs import check_rel_path
+
+    with pytest.raises(errors.HostilePatch, match="not a file name in any encoding"):
+        check_rel_path("vllm/\ud800.py", "ledger.json")
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert cli("apply", *root)[0] == 0
+    ledger = state(vllm_tree) / "ledger.json"
+    doc = json.loads(ledger.read_text())
+    doc["files"][0]["path"] = "vllm/\ud800.py"
+    ledger.write_text(json.dumps(doc))
+    code, _, err = cli("status", *root)
+    assert code in (0, errors.PatchConflict.exit_code), err
+    assert "Traceback" not in err
