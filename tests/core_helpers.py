@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
+import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,3 +110,39 @@ def gate_recorded_run(run: Path, recipe: Path, *, eval_passed: bool | None = Non
         (run / "eval").mkdir(exist_ok=True)
         (run / "eval" / "eval.json").write_text(json.dumps(
             {"schema": 1, "passed": eval_passed, "provenance": provenance, "tasks": []}))
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+@contextlib.contextmanager
+def mounted(*mount_args: str, target: Path) -> Iterator[Path]:
+    """`mount ARGS target` for the block (a bind mount, a small tmpfs); skips, saying why, where
+    the sandbox forbids mounting."""
+    import pytest
+
+    target.mkdir(parents=True, exist_ok=True)
+    done = _sh("mount", *mount_args, str(target))
+    if done.returncode != 0:
+        pytest.skip(f"mount not allowed here ({done.stderr.strip()}); fault not shown")
+    try:
+        yield target
+    finally:
+        _sh("umount", "-l", str(target))
+
+
+@contextlib.contextmanager
+def read_only_view(folder: Path, target: Path) -> Iterator[Path]:
+    """`folder` seen through a read-only bind mount at `target`."""
+    with mounted("--bind", str(folder), target=target) as view:
+        assert _sh("mount", "-o", "remount,ro,bind", str(view)).returncode == 0
+        yield view
+
+
+def fill(directory: Path, leave_bytes: int) -> Path:
+    """Fill the filesystem of `directory` until about `leave_bytes` remain (a real ENOSPC)."""
+    filler = directory / "filler.bin"
+    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+    filler.write_bytes(b"\0" * max(0, free - leave_bytes))
+    return filler

@@ -19,12 +19,12 @@ import contextlib
 import io
 import signal
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from m3patch.errors import Interrupted, M3PatchError
+from m3patch.errors import Interrupted, M3PatchError, TreeIOError
 from m3patch.fsio import write_json_atomic
 
 if TYPE_CHECKING:
@@ -118,37 +118,67 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 class _Tee(io.TextIOBase):
-    """Text to every target. Not a terminal, so progress prints plain lines, as in a CI log."""
+    """Text to the terminal and the job log. Not a terminal, so progress prints plain lines, as
+    in a CI log. A log the disk refuses (full, I/O error) is dropped at its first failure and
+    kept in `log_error`: the terminal still gets every line, and the block fails after."""
 
-    def __init__(self, *targets: TextIO) -> None:
-        self.targets = targets
+    def __init__(self, terminal: TextIO, log: TextIO) -> None:
+        self.terminal = terminal
+        self.log = log
+        self.log_error: OSError | None = None
 
     def write(self, text: str) -> int:
-        for target in self.targets:
-            target.write(text)
+        self.terminal.write(text)
+        self.to_log(lambda: self.log.write(text))
         return len(text)
 
     def flush(self) -> None:
-        for target in self.targets:
-            target.flush()
+        self.terminal.flush()
+        self.to_log(self.log.flush)
 
     def isatty(self) -> bool:
         return False
+
+    def to_log(self, action: Callable[[], object]) -> None:
+        if self.log_error is None:
+            try:
+                action()
+            except OSError as exc:
+                self.log_error = exc
+
+
+def _log_failed(log_path: Path, exc: OSError) -> TreeIOError:
+    msg = f"{log_path}: cannot write the job log: {exc.strerror or exc}"
+    return TreeIOError(msg, hint=f"free space in {log_path.parent}, or choose another --run-dir; "
+                                 "then re-run with --resume to keep the finished cells")
 
 
 @contextlib.contextmanager
 def teed_output(log_path: Path) -> Iterator[None]:
     """The block's stdout and stderr go to stderr and into `log_path` (the job's stdout stays
     clean for what a workflow parses); the error that ends the block is written to the log too
-    (the terminal gets it once, from the error handler)."""
-    with open(log_path, "w", encoding="utf-8", errors="replace") as log:
-        tee = cast(TextIO, _Tee(sys.stderr, log))
+    (the terminal gets it once, from the error handler). A log the run folder cannot hold is
+    the run folder's error (7) once the block is done, never an internal one."""
+    try:
+        log = open(log_path, "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+    except OSError as exc:
+        raise _log_failed(log_path, exc) from None
+    tee = _Tee(sys.stderr, log)
+    try:
+        with contextlib.redirect_stdout(cast(TextIO, tee)), \
+                contextlib.redirect_stderr(cast(TextIO, tee)):
+            yield
+    except M3PatchError as exc:
+        line = f"m3patch: error: {exc}\n"
+        tee.to_log(lambda: log.write(line))
+        raise
+    finally:
         try:
-            with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
-                yield
-        except M3PatchError as exc:
-            log.write(f"m3patch: error: {exc}\n")
-            raise
+            log.close()
+        except OSError as exc:
+            tee.log_error = tee.log_error or exc
+    if tee.log_error is not None:
+        raise _log_failed(log_path, tee.log_error)
 
 
 def write_summary(recipe: Path, run_dir: Path, results: Sequence[StepResult], code: int,

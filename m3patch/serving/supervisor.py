@@ -64,6 +64,7 @@ class Supervisor:
         self.echo = echo
         self.proc: subprocess.Popen[bytes] | None = None
         self.violation: MarkerHit | None = None
+        self.log_error: OSError | None = None  # the server log the disk refused (then: 7)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -100,15 +101,26 @@ class Supervisor:
     def _pump(self, log: BinaryIO) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        with log:
-            while chunk := os.read(fd, 65536):
-                with self._lock:  # the log and the checker see the same bytes in one order
-                    log.write(chunk)
-                    log.flush()
-                    self._record(self.checker.feed(chunk))
-            with self._lock:
-                self._record(self.checker.finish())
-                self._log = None
+        while chunk := os.read(fd, 65536):
+            with self._lock:  # the log and the checker see the same bytes in one order
+                self._write_log(log, chunk)
+                self._record(self.checker.feed(chunk))
+        with self._lock:
+            self._record(self.checker.finish())
+            self._log = None
+        with contextlib.suppress(OSError):  # a failed write was kept in log_error
+            log.close()
+
+    def _write_log(self, log: BinaryIO, chunk: bytes) -> None:
+        """Keep reading the pipe when the disk refuses the log (a blocked pipe would hang the
+        server): the first failure is kept, and the gate fails on it (the log is the record)."""
+        if self.log_error is not None:
+            return
+        try:
+            log.write(chunk)
+            log.flush()
+        except OSError as exc:
+            self.log_error = exc
 
     def _mark_stop(self) -> None:
         """The stop mark, into the log and the checker together (nothing once output ended)."""
@@ -116,9 +128,7 @@ class Supervisor:
             if self._log is None:
                 return
             data = self.checker.mark_stop()
-            with contextlib.suppress(OSError):  # a full disk must not keep the server running
-                self._log.write(data)
-                self._log.flush()
+            self._write_log(self._log, data)  # a full disk must not keep the server running
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
@@ -142,6 +152,11 @@ class Supervisor:
             return "\n".join(self.tail)
 
     def raise_if_violation(self) -> None:
+        if self.log_error is not None:
+            msg = (f"{self.spec.log_path}: cannot write the server log: "
+                   f"{self.log_error.strerror or self.log_error}; the server was stopped")
+            raise TreeIOError(msg, hint=f"free space in {self.spec.log_path.parent} or choose "
+                                        f"another --run-dir, then: {self.spec.fix_hint}")
         if self.violation is not None:
             raise forbidden_error(self.violation, str(self.spec.log_path),
                                   hint=f"fix the launch, then: {self.spec.fix_hint}")

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from core_helpers import fill, mounted
 
 from m3patch import errors
 from m3patch.main import main
@@ -62,18 +63,6 @@ def apply_args(root: Path, series: Path) -> tuple[str, ...]:
 
 def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
-
-
-@contextlib.contextmanager
-def mounted(*mount_args: str, target: Path) -> Iterator[Path]:
-    target.mkdir(parents=True, exist_ok=True)
-    done = _sh("mount", *mount_args, str(target))
-    if done.returncode != 0:
-        pytest.skip(f"mount not allowed here ({done.stderr.strip()}); fault not shown")
-    try:
-        yield target
-    finally:
-        _sh("umount", "-l", str(target))
 
 
 @contextlib.contextmanager
@@ -200,14 +189,6 @@ def small_tree(pristine: Path, root: Path) -> None:
     for rel in TOUCHED:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pristine / rel, root / rel)
-
-
-def fill(directory: Path, leave_bytes: int) -> Path:
-    """Fill the filesystem of `directory` until about `leave_bytes` remain."""
-    filler = directory / "filler.bin"
-    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
-    filler.write_bytes(b"\0" * max(0, free - leave_bytes))
-    return filler
 
 
 def test_disk_full_during_staging(pristine_033: Path, test_series: Path, tmp_path: Path) -> None:
