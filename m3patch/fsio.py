@@ -196,6 +196,20 @@ def write_json_atomic(path: Path, data: object, *, indent: int = 2, sort_keys: b
     write_bytes_atomic(path, json_bytes(data, indent=indent, sort_keys=sort_keys), error=error)
 
 
+def write_cache_json(root: Path, path: Path, data: object, *, indent: int = 2) -> None:
+    """A cache entry at `path` below m3patch's cache `root`: the root and every folder down to
+    the entry's are real folders this user owns (made when missing), never a link a planted
+    cache folder would carry the write through; then `write_json_atomic`. Raises UnsafeState
+    or TreeIOError: a cache that cannot be written only costs the next run time."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"{root}: cannot create the cache folder: {exc.strerror or exc}"
+        raise TreeIOError(msg, hint=f"check that {root.parent} is writable") from None
+    owned_dirs(owned_dir(root), path.parent)
+    write_json_atomic(path, data, indent=indent)
+
+
 def _reject_constant(name: str) -> Any:
     msg = f"{name} is not a JSON number"
     raise ValueError(msg)

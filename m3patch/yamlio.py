@@ -8,6 +8,9 @@ from typing import Any
 import yaml
 
 from m3patch.errors import UsageError
+from m3patch.fsio import read_state
+
+YAML_MAX_BYTES = 16 << 20  # a recipe or manifest is a few KiB; a file past this is not one
 
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -46,13 +49,18 @@ def load_yaml_text(text: str, *, source: str) -> Any:
 
 
 def load_yaml_file(path: Path) -> Any:
-    """Read and parse a YAML file as UTF-8."""
+    """Read and parse a YAML file as UTF-8: a regular file (a link to one is followed: users
+    link recipes), bounded, so a FIFO or /dev/zero in a recipe's place is refused, never read
+    until memory runs out."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_state(path, limit=YAML_MAX_BYTES, links=True).decode("utf-8")
     except FileNotFoundError:
         msg = f"{path}: file not found"
         raise UsageError(msg) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        msg = f"{path}: cannot read: {exc.strerror or exc}"
+        raise UsageError(msg, hint=f"{path} must be a plain YAML file") from None
+    except UnicodeDecodeError as exc:
         msg = f"{path}: cannot read: {exc}"
         raise UsageError(msg) from None
     return load_yaml_text(text, source=str(path))

@@ -256,6 +256,10 @@ class NodeRun:
     def _others(self) -> tuple[NodeId, ...]:
         return tuple(n for n in self.topo.nodes() if n != self.node)
 
+    def _treeless(self) -> tuple[NodeId, ...]:
+        """The nodes that run no vLLM (the P/D proxy), so publish no series."""
+        return tuple(n for n in self.topo.nodes() if not self.topo.role(n.role).runs_vllm)
+
     def _check_published(self) -> None:
         """Every node that published so far runs the head's tree and has not exited: a wrong
         tree fails the set in seconds, not after a whole model load (NodeMismatch / NodeLost);
@@ -266,7 +270,7 @@ class NodeRun:
         except ResultsInvalid:
             return  # a record being replaced; _wait_set reads every record strictly later
         waiting = rv.compare(self._others(), records, self.series, self.tree, self.fix,
-                             self.fingerprint)
+                             self.fingerprint, treeless=self._treeless())
         if waiting and time.monotonic() >= self.started + self.recipe.deadlines.join_s:
             raise self._not_joined(waiting)
 
@@ -277,7 +281,8 @@ class NodeRun:
         while True:
             records = self._records()
             series, tree, fingerprint = self._reference(records)
-            absent = rv.compare(others, records, series, tree, self.fix, fingerprint)
+            absent = rv.compare(others, records, series, tree, self.fix, fingerprint,
+                                treeless=self._treeless())
             if absent and time.monotonic() >= self.started + self.recipe.deadlines.join_s:
                 raise self._not_joined(absent)
             waiting = absent + [n for n in others if n in records and records[n].state != "ready"]

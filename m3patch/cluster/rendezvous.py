@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,10 +244,12 @@ def tree_sha256(ledger_bytes: bytes, where: str) -> str:
 
 
 def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], series: str,
-            tree: str, fix: str, fingerprint: dict[str, str] | None = None) -> list[NodeId]:
+            tree: str, fix: str, fingerprint: dict[str, str] | None = None, *,
+            treeless: Collection[NodeId] = ()) -> list[NodeId]:
     """Nodes that have not published yet; raises NodeMismatch for one that published another tree
     or another fingerprint field (vLLM version/commit, torch, GPU runtime, model, argv), and
-    NodeLost for one that already exited."""
+    NodeLost for one that already exited. Only a node of `treeless` (the P/D proxy: it runs no
+    vLLM) may publish no series; any other node saying so would skip the tree check."""
     waiting = []
     for node in expected:
         record = records.get(node)
@@ -258,7 +261,11 @@ def compare(expected: tuple[NodeId, ...], records: dict[NodeId, NodeRecord], ser
                    f"{record.reason or 'no reason recorded'}")
             raise NodeLost(msg, hint=f"see that node's log, then re-run the set: {fix}")
         if record.series is None:
-            continue  # the proxy holds no tree
+            if node in treeless:
+                continue  # the proxy holds no tree
+            msg = (f"node {node} (host {record.host}) published no series, but it runs vLLM "
+                   f"and must run series {series}")
+            raise NodeMismatch(msg, hint=f"on that host: {fix} --role {node.role} --rank {node.rank}")
         if not record.verified:
             msg = f"node {node} (host {record.host}) did not verify its tree for series {series}"
             raise NodeMismatch(msg, hint=f"on that host: {fix} --role {node.role} --rank {node.rank}")

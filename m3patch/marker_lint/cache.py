@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import owned_dir, read_state, write_json_atomic
+from m3patch.fsio import read_state, write_cache_json
 from m3patch.marker_lint.sources import ANY, Source, file_sources
 from m3patch.patching.pristine import cache_root
 
@@ -149,11 +149,8 @@ def _load_or_read(root: Path, files: list[Path], *, use_cache: bool) -> list[Sou
             per_file[rel] = file_sources(rel, _read(path))
     if use_cache and fresh:  # only whole reads are stored: edited scratch copies would pile up
         with contextlib.suppress(M3PatchError, OSError):  # an unwritable cache costs time only
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            owned_dir(folder.parent)  # never written through a link or another user's folder
-            owned_dir(folder, create=True)
-            write_json_atomic(folder / f"{key}.json",
-                              {"schema": CACHE_SCHEMA, "key": key, "root": str(root),
-                               "digests": digests,
-                               "files": {r: _encode(v) for r, v in per_file.items()}}, indent=0)
+            write_cache_json(folder.parent, folder / f"{key}.json",
+                             {"schema": CACHE_SCHEMA, "key": key, "root": str(root),
+                              "digests": digests,
+                              "files": {r: _encode(v) for r, v in per_file.items()}}, indent=0)
     return [s for sources in per_file.values() for s in sources]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import read_json, write_cache_json
 from m3patch.patching import memo
 from m3patch.patching.ledger import SHA256_RE
 
@@ -61,7 +61,8 @@ def remember(old: set[str], new: Iterable[str]) -> None:
         return
     good = sorted(old | fresh) if len(old) + len(fresh) <= LIMIT else sorted(fresh)
     try:
-        write_json_atomic(memo_path(), {"schema": SCHEMA, "interpreter": interpreter_key(),
-                                        "ok": good}, indent=0)
+        path = memo_path()
+        write_cache_json(path.parent.parent, path,
+                         {"schema": SCHEMA, "interpreter": interpreter_key(), "ok": good}, indent=0)
     except (M3PatchError, OSError):
         return

@@ -13,10 +13,11 @@ rewritten. A memo that cannot be written is only a slower next run; a read-only 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import read_json, write_cache_json
 from m3patch.patching import memo
 from m3patch.patching.diffs import (
     FilePatch,
@@ -32,11 +33,15 @@ SCHEMA = 2  # 2: each hunk side one string
 KINDS = ("modify", "add", "delete")
 
 
-def _path(sha256: str) -> Any:
+def _root() -> Path:
     # deferred: pristine: only the cache location is needed
     from m3patch.patching.pristine import cache_root
 
-    return cache_root() / "parsed" / f"{sha256}.json"
+    return cache_root()
+
+
+def _path(sha256: str) -> Path:
+    return _root() / "parsed" / f"{sha256}.json"
 
 
 def _to_json(patch: PatchFile, sha256: str) -> dict[str, Any]:
@@ -116,5 +121,5 @@ def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
     patch = parse_patch(data, name)
     if memo.writes_allowed():
         with contextlib.suppress(M3PatchError, OSError):
-            write_json_atomic(path, _to_json(patch, sha256), indent=0)
+            write_cache_json(_root(), path, _to_json(patch, sha256), indent=0)
     return patch

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from m3patch.errors import LaunchRejected, M3PatchError, UsageError, VersionMismatch, VllmNotFound
-from m3patch.fsio import parse_json, read_json, write_json_atomic
+from m3patch.fsio import parse_json, read_json, write_cache_json
 from m3patch.output import info, warn
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, check_target, find_vllm
@@ -437,7 +437,7 @@ def _cache_verdict(path: Path, tree: VllmTree, dump: dict[str, Any]) -> None:
     files = _file_hashes(tree, dump.get("vllm_files"))
     if not isinstance(dump.get("no_vllm"), str) and files is not None:
         try:
-            write_json_atomic(path, {"files": files, "dump": dump})
+            write_cache_json(cache_root(), path, {"files": files, "dump": dump})
         except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
             warn(f"could not cache vLLM's parser answer: {exc.message}")
 
@@ -446,7 +446,7 @@ def _store(python: str, version: str, dump: dict[str, Any]) -> None:
     keep = {"schema": CACHE_SCHEMA, "python": os.path.realpath(python),
             "vllm_version": dump["vllm_version"], "actions": dump["actions"]}
     try:
-        write_json_atomic(cache_path(python, version), keep)
+        write_cache_json(cache_root(), cache_path(python, version), keep)
     except M3PatchError as exc:  # a cache that cannot be written only costs the next run time
         warn(f"could not cache vLLM's parser options: {exc.message}")
 

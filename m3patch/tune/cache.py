@@ -7,13 +7,17 @@ flight; a later run with the same cache skips everything already measured. A tor
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from m3patch.fsio import read_state
+from m3patch.output import warn
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,27 @@ class ResultCache:
         self.results[result.key] = result
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"shape": result.shape, "batch": result.batch, "config": result.config,
                   "stage": result.stage, "us": result.us, "error": result.error,
                   "note": result.note}
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _append(self.path, (json.dumps(record) + "\n").encode("utf-8"))
+        except OSError as exc:  # a cache that cannot be written only costs a re-measure later
+            warn(f"{self.path}: tune cache not written ({exc.strerror or exc}); "
+                 "results are kept in memory only")
+            self.path = None
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append to a regular file, never through a link (O_NOFOLLOW) and never blocking on a
+    FIFO planted in the cache's place (O_NONBLOCK: ENXIO without a reader)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 

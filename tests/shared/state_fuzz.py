@@ -34,6 +34,7 @@ import fuzz_harness as fz
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
+from m3patch.patching import memo  # noqa: E402
 from m3patch.patching.pristine import copy_tree, pristine_tree  # noqa: E402
 
 SERIES = REPO / "tests" / "data" / "test-series"
@@ -143,6 +144,8 @@ class Target:
     run: Callable[[random.Random, Path], tuple[list[str], str]]  # -> (argv, label)
     read_only: Callable[[list[str]], bool]
     check_zero: Callable[[list[str]], str | None]  # why an exit 0 is contradicted, or None
+    # a reader with no command of its own: called inside the CLI's error handler instead
+    call: Callable[[], object] | None = None
 
 
 @dataclass
@@ -314,6 +317,7 @@ class Tally:
     tried: int = 0
     by_code: dict[int, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    misses: int = 0  # a reader whose doubt is a miss (a cache): calls that returned nothing
 
 
 def fuzz(base: Path, inputs: int, seed: int) -> dict[str, Tally]:
@@ -321,15 +325,26 @@ def fuzz(base: Path, inputs: int, seed: int) -> dict[str, Tally]:
     box = make_box(base)
     crash = base / "crash"
     crash.mkdir()
-    rng = random.Random(seed)
-    all_targets = targets(box)
+    return run_inputs(box, targets(box), crash, inputs, random.Random(seed))
+
+
+def run_inputs(box: Box, all_targets: list[Target], crash: Path, inputs: int,
+               rng: random.Random) -> dict[str, Tally]:
+    """The fuzz loop: one input per target in turn, each judged by the three-part oracle."""
+    from state_fuzz_more import run_call  # the in-process runner of command-less readers
+
     tallies = {t.name: Tally() for t in all_targets}
     sentinel = snapshot(box.outside)
     for index in range(inputs):
         target = all_targets[index % len(all_targets)]
-        argv, label = target.run(rng, base)
+        argv, label = target.run(rng, box.root.parent)
         before = _tree_view(box) if target.read_only(argv) else None
-        outcome = fz.run_cli(argv, crash)
+        memo._STATE["read_only"] = False  # as in a fresh process: set per command by main
+        if target.call is None:
+            outcome = fz.run_cli(argv, crash)
+        else:
+            outcome, value = run_call(target.call, crash)
+            tallies[target.name].misses += outcome.code == 0 and not value
         tally = tallies[target.name]
         tally.tried += 1
         tally.by_code[outcome.code] = tally.by_code.get(outcome.code, 0) + 1

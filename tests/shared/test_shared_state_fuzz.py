@@ -1,7 +1,9 @@
 """Hostile variants of every state file m3patch reads back (tests/shared/state_fuzz.py): no exit
 70, no write or delete outside what m3patch owns, no exit 0 the files on disk contradict.
 
-The default suite runs a fast sample; the extended suite (`-m extended`) runs 10,500 inputs."""
+The default suite runs a fast sample; the extended suite (`-m extended`) runs 10,500 inputs over
+the tree and run files, and 10,400 over the resumed cells, recipes, rendezvous records and caches
+(tests/shared/state_fuzz_more.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,14 @@ from pathlib import Path
 
 import pytest
 import state_fuzz as sf
+import state_fuzz_more as sm
 
 SAMPLE = 210  # 30 per target: about 10 s on the CI machine
 EXTENDED = 10_500  # 1,500 per target
+
+
+MORE_SAMPLE = 240  # 30 per target: about 6 s on the CI machine
+MORE_EXTENDED = 10_400  # 1,300 per target
 
 
 def _check(tallies: dict[str, sf.Tally], per_target: int) -> None:
@@ -19,8 +26,10 @@ def _check(tallies: dict[str, sf.Tally], per_target: int) -> None:
     assert failures == [], "\n".join(failures[:8])
     for name, tally in tallies.items():
         assert tally.tried == per_target, name
-        # the fuzz must reach refusals, or it is not exercising the reader
-        assert sum(c for code, c in tally.by_code.items() if code != 0) > 0, (name, tally.by_code)
+        # the fuzz must reach refusals (or, for a cache, misses), or it is not exercising the
+        # reader
+        refused = sum(c for code, c in tally.by_code.items() if code != 0)
+        assert refused + tally.misses > 0, (name, tally.by_code)
 
 
 def test_hostile_state_files_sample(tmp_path: Path) -> None:
@@ -30,6 +39,15 @@ def test_hostile_state_files_sample(tmp_path: Path) -> None:
 @pytest.mark.extended
 def test_hostile_state_files_extended(tmp_path: Path) -> None:
     _check(sf.fuzz(tmp_path, EXTENDED, seed=1), EXTENDED // 7)
+
+
+def test_hostile_cells_recipes_records_and_caches_sample(tmp_path: Path) -> None:
+    _check(sm.fuzz(tmp_path, MORE_SAMPLE, seed=0), MORE_SAMPLE // 8)
+
+
+@pytest.mark.extended
+def test_hostile_cells_recipes_records_and_caches_extended(tmp_path: Path) -> None:
+    _check(sm.fuzz(tmp_path, MORE_EXTENDED, seed=1), MORE_EXTENDED // 8)
 
 
 def test_the_state_oracle_sees_a_write_outside(tmp_path: Path) -> None:

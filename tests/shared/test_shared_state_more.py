@@ -1,0 +1,117 @@
+"""What the widened state fuzz (tests/shared/state_fuzz_more.py) found, each kept as a
+regression test: a recipe in a FIFO's or /dev/zero's place, cache folders planted as links, a
+tune cache planted as a link or FIFO, and a node record that says it holds no tree."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from core_helpers import TEST_SERIES
+
+from m3patch.cluster import rendezvous as rv
+from m3patch.errors import NodeMismatch, UsageError
+from m3patch.main import main
+from m3patch.patching.pristine import copy_tree
+from m3patch.recipe.topology import NodeId
+from m3patch.tune.cache import Result, ResultCache
+from m3patch.yamlio import load_yaml_file
+
+
+def outside(tmp_path: Path) -> Path:
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "victim").write_text("keep\n")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_a_recipe_that_never_ends_is_refused(tmp_path: Path, kind: str) -> None:
+    """Before: `recipe validate`, `recipe show` and `serve --dry-run` of a recipe that is a FIFO
+    (or a link to one) hung; a link to /dev/zero read until the machine ran out of memory."""
+    path = tmp_path / "recipe.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_bytes(b"# " + b"x" * (17 << 20) + b"\n")
+    with pytest.raises(UsageError, match="cannot read"):
+        load_yaml_file(path)
+    assert main(["recipe", "validate", str(path)]) == UsageError.exit_code
+
+
+def test_a_recipe_reached_through_a_link_still_loads(tmp_path: Path) -> None:
+    """Users link recipes: a link to a plain file is followed."""
+    real = tmp_path / "real.yaml"
+    real.write_text("a: 1\n")
+    (tmp_path / "link.yaml").symlink_to(real)
+    assert load_yaml_file(tmp_path / "link.yaml") == {"a": 1}
+
+
+@pytest.mark.parametrize("folder", ["parsed", "compiled"])
+def test_memo_folders_planted_as_links_are_never_written_through(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str) -> None:
+    """Before: with `M3PATCH_CACHE/parsed` (or `compiled`) a link to another folder, apply and
+    revert wrote their memo files into the link's target."""
+    target = outside(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / folder).symlink_to(target)
+    monkeypatch.setenv("M3PATCH_CACHE", str(cache))
+    root = copy_tree(pristine_033, tmp_path / "site-packages")
+    tree = ["--vllm-root", str(root), "--series", str(TEST_SERIES)]
+    for command in (["apply", "--verify"], ["revert"], ["apply", "--verify"]):
+        assert main([*command, *tree]) == 0, command  # a memo only saves time
+    assert sorted(p.name for p in target.iterdir()) == ["victim"]
+
+
+def test_the_parser_cache_folder_planted_as_a_link_is_never_written_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from m3patch.serving import vllm_parser
+
+    target = outside(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "vllm-cli").symlink_to(target)
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    vllm_parser._store("/usr/bin/python3", "0.33.0", {"vllm_version": "0.33.0", "actions": []})
+    assert sorted(p.name for p in target.iterdir()) == ["victim"]
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "dangling"])
+def test_a_tune_cache_planted_as_a_link_or_fifo_is_never_appended_to(tmp_path: Path,
+                                                                    kind: str) -> None:
+    """Before: the tuner appended its results through a link (into the victim, or creating the
+    dangling link's target) and a FIFO in the cache's place hung the read."""
+    target = outside(tmp_path)
+    path = tmp_path / "tune-cache.jsonl"
+    if kind == "link":
+        path.symlink_to(target / "victim")
+    elif kind == "dangling":
+        path.symlink_to(target / "absent")
+    else:
+        os.mkfifo(path)
+    cache = ResultCache(path)
+    cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
+    assert cache.get("s", 1, "c", "quick") is not None  # kept in memory
+    assert sorted(p.name for p in target.iterdir()) == ["victim"]
+    assert (target / "victim").read_text() == "keep\n"
+
+
+def test_a_vllm_node_publishing_no_series_is_not_counted_ready(tmp_path: Path) -> None:
+    """Before: a well-formed record of a node that runs vLLM, with `series: null`, skipped the
+    tree check (only the P/D proxy holds no tree), so the set counted it ready on any tree."""
+    node, proxy = NodeId("worker", 0), NodeId("router", 0)
+    base = {"set_id": "set-1", "host": "h", "address": "127.0.0.1", "pid": 1, "pgid": None,
+            "series": None, "ledger_sha256": None, "tree_sha256": None, "verified": False,
+            "state": "ready"}
+    for each in (node, proxy):
+        rv.publish(tmp_path, rv.NodeRecord(**{**base, "role": each.role,  # type: ignore[arg-type]
+                                              "rank": each.rank}))
+    records = rv.read_records(tmp_path, "set-1", (node, proxy))
+    assert rv.compare((proxy,), records, "s", "ab" * 32, "fix", treeless=(proxy,)) == []
+    with pytest.raises(NodeMismatch, match="published no series"):
+        rv.compare((node, proxy), records, "s", "ab" * 32, "fix", treeless=(proxy,))
+    assert json.loads(rv.record_path(tmp_path, "set-1", node).read_text())["series"] is None
