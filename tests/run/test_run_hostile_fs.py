@@ -7,6 +7,8 @@ nothing half-written. Tests that mount skip, saying why, where the sandbox canno
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -20,6 +22,8 @@ import yaml
 from core_helpers import REPO, TEST_SERIES, fill, mounted, read_only_view
 
 from m3patch import errors
+from m3patch.main import main
+from m3patch.patching import api
 from m3patch.patching.ledger import ledger_path
 from m3patch.patching.pristine import verify_against_record
 
@@ -220,3 +224,28 @@ def test_ci_with_reverts_racing_its_apply_verify(vllm_tree: Path, tmp_path: Path
         assert ledger["series"] == "test-series-0.33.0", ledger
     assert reverts and set(reverts) == {0}, reverts  # the racer really ran, and cleanly
     assert no_partial_files(vllm_tree) == []
+
+
+def test_ci_with_a_revert_between_apply_and_verify_retries_under_the_lock(
+        vllm_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race made certain: a revert lands between ci's lock-free apply and its verify. The
+    apply-verify step re-runs holding the tree lock and ends ok, the run's ledger the tree's."""
+    path = recipe(tmp_path)
+    assert m3patch(vllm_tree, "apply", "--series", str(TEST_SERIES)).returncode == 0
+    real_verify = api.verify_tree
+    calls: list[int] = []
+
+    def revert_first(tree, series, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            api.revert_series(tree, series)
+        calls.append(1)
+        return real_verify(tree, series, **kwargs)
+
+    monkeypatch.setattr(api, "verify_tree", revert_first)
+    monkeypatch.setenv("M3PATCH_VLLM_ROOT", str(vllm_tree))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["ci", str(path), "--run-dir", str(tmp_path / "run")])
+    assert code == SERVER_EXITED, err.getvalue()
+    assert len(calls) == 2 and ci_steps(tmp_path / "run")["apply-verify"] == ("ok", 0)
+    assert (tmp_path / "run" / "ledger.json").read_bytes() == ledger_path(vllm_tree).read_bytes()
