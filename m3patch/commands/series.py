@@ -17,7 +17,7 @@ from m3patch.commands.common import add_tree_options, prepare_process, say, seri
 from m3patch.commands.flags import add_python_flag
 from m3patch.commands.series_waiver import write_waiver
 from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFound
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import read_state, write_bytes_atomic
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.patching.ledger import digest
@@ -115,7 +115,7 @@ def _kept_spec(series: Series) -> bytes | None:
     hint = (f"m3patch series lock --series {series.directory} --pristine --cli-spec (or "
             "--no-cli-spec)")
     try:
-        data = spec_path.read_bytes()
+        data = read_state(spec_path)  # no link, FIFO or device
     except OSError as exc:
         msg = f"{spec_path}: the lock pins it but it cannot be read ({exc.strerror or exc})"
         raise UsageError(msg, hint=hint) from None

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from m3patch.errors import LaunchRejected, M3PatchError, UsageError, VersionMismatch, VllmNotFound
-from m3patch.fsio import parse_json, read_json, write_cache_json
+from m3patch.fsio import parse_json, read_json, read_state, write_cache_json
 from m3patch.output import info, warn
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, check_target, find_vllm
@@ -337,7 +337,7 @@ def series_spec(series: Series) -> CliSpec | None:
     path = series.directory / lock.cli_spec.file
     hint = relock_hint(series.directory)
     try:
-        data = path.read_bytes()
+        data = read_state(path)  # no link, FIFO or device: a hostile series cannot hang this
     except OSError as exc:
         msg = f"{path}: cannot read the series' launch spec ({exc.strerror or exc})"
         raise UsageError(msg, hint=hint) from None

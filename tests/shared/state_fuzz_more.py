@@ -86,7 +86,8 @@ def recorded_recipe(folder: Path) -> Path:
     text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
     text = re.sub(r"osl: [0-9]+", "osl: 16", text)
     text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
-    text = text.replace("series: ../patches", f"series: {REPO}/patches")
+    series = Path(shutil.copytree(REPO / "patches" / "vllm-0.32.0", folder / "vllm-0.32.0"))
+    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {series}")
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(folder / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python",
                         sys.executable)
@@ -237,6 +238,30 @@ def _then(run: Callable[[random.Random, Path], tuple[list[str], str]],
         return run(rng, base)
 
     return wrapped
+
+
+def spec_target(world: World) -> sf.Target:
+    """The series' shipped launch spec (vllm-cli.json, pinned by the lock), read by the recipe
+    check and the dry run."""
+    path = world.recipe.parent / "vllm-0.32.0" / "vllm-cli.json"
+    real = path.read_bytes()
+
+    def run(rng: random.Random, _: Path) -> tuple[list[str], str]:
+        label = sf.variant(rng, path, real, world.box.outside, ["0.33.0", "0.32.0", [], {}, None])
+        if rng.random() < 0.5:
+            return ["recipe", "validate", str(world.recipe)], label
+        return ["serve", str(world.recipe), "--dry-run", "--allow-other-vllm"], label
+
+    def contradicted(_: list[str]) -> str | None:
+        if path.is_symlink() or not path.is_file() or path.read_bytes() != real:
+            return "exit 0 with the launch spec not the bytes the lock pins"
+        return None
+
+    def reset() -> None:
+        _reset_run(world)
+        sf._put(path, real)
+
+    return sf.Target("series launch spec", _then(run, reset), lambda argv: True, contradicted)
 
 
 # ---------------------------------------------------------------- caches the tree commands read
@@ -444,7 +469,8 @@ def parser_cache_target(world: World) -> sf.Target:
 
 
 def targets(world: World) -> list[sf.Target]:
-    return [cell_target(world), recipe_target(world), cache_target(world, "parsed memo"),
+    return [cell_target(world), recipe_target(world), spec_target(world),
+            cache_target(world, "parsed memo"),
             cache_target(world, "compile memo"), rendezvous_target(world),
             tune_cache_target(world), marker_cache_target(world), parser_cache_target(world)]
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
-from core_helpers import TEST_SERIES
+from core_helpers import REPO, TEST_SERIES
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.errors import NodeMismatch, UsageError
@@ -115,3 +116,22 @@ def test_a_vllm_node_publishing_no_series_is_not_counted_ready(tmp_path: Path) -
     with pytest.raises(NodeMismatch, match="published no series"):
         rv.compare((node, proxy), records, "s", "ab" * 32, "fix", treeless=(proxy,))
     assert json.loads(rv.record_path(tmp_path, "set-1", node).read_text())["series"] is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_series_launch_spec_that_never_ends_is_refused(tmp_path: Path, kind: str) -> None:
+    """Before: the series' pinned `vllm-cli.json` as a FIFO hung `recipe validate` and
+    `serve --dry-run` (and a link to /dev/zero read until memory ran out)."""
+    from m3patch.patching.series import load_series
+    from m3patch.serving.vllm_parser import series_spec
+
+    series = Path(shutil.copytree(REPO / "patches" / "vllm-0.32.0", tmp_path / "s"))
+    spec = series / "vllm-cli.json"
+    spec.unlink()
+    if kind == "fifo":
+        os.mkfifo(spec)
+    else:
+        spec.symlink_to("/dev/zero")
+    with pytest.raises(UsageError, match="cannot read the series' launch spec"):
+        series_spec(load_series(series))
+    assert main(["series", "show", "--series", str(series)]) == 0  # the spec is not needed there
