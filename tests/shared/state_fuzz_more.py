@@ -445,23 +445,53 @@ def marker_cache_target(world: World) -> sf.Target:
 
 
 def parser_cache_target(world: World) -> sf.Target:
-    """vLLM's parser answers cached per interpreter and version (vllm-cli/<hash>.json)."""
+    """vLLM's parser answers cached per interpreter and version (vllm-cli/<hash>.json), and one
+    launch's cached verdict (vllm-cli/verdicts/<hash>.json, trusted only while the tree files
+    it names hash as recorded)."""
+    from m3patch.patching.locate import tree_at
     from m3patch.serving import vllm_parser
 
+    tree = tree_at(world.box.root)
     with env(M3PATCH_CACHE=str(world.cache)):
-        path = vllm_parser.cache_path(sys.executable, "0.33.0")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    real = json.dumps({"vllm_version": "0.33.0", "actions": []}).encode()
+        options = vllm_parser.cache_path(sys.executable, "0.33.0")
+        verdict = vllm_parser._verdict_path(sys.executable, tree, ["--port", "1"], {})
+    for path in (options, verdict):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    real = {options: json.dumps({"vllm_version": "0.33.0", "actions": []}).encode(),
+            verdict: json.dumps({"files": {"envs.py": hashlib.sha256(
+                (tree.package_dir / "envs.py").read_bytes()).hexdigest()}, "dump": {
+                "vllm_version": "0.33.0", "actions": []}}).encode()}
+    chosen: dict[str, Any] = {}
 
     def run_input(rng: random.Random, _: Path) -> tuple[list[str], str]:
-        return ["<parser cache>"], sf.variant(rng, path, real, world.box.outside,
-                                              ["0.32.0", "0.33.0", [], {}, None, "--port"])
+        chosen["path"] = path = rng.choice((options, verdict))
+        label = sf.variant(rng, path, real[path], world.box.outside,
+                           ["0.32.0", "0.33.0", [], {}, None, "--port", "../../x", "/etc/passwd"])
+        return ["<parser cache>", path.parent.name], label
 
     def call() -> object:
         with env(M3PATCH_CACHE=str(world.cache)):
-            return vllm_parser.cached_actions(sys.executable, "0.33.0")
+            if chosen["path"] == options:
+                return vllm_parser.cached_actions(sys.executable, "0.33.0")
+            chosen["trusted"] = vllm_parser._cached_verdict(verdict, tree)
+            return chosen["trusted"]
 
-    return sf.Target("vllm-cli parser cache", run_input, lambda argv: False, lambda argv: None,
+    def contradicted(_: list[str]) -> str | None:
+        """A verdict trusted only when the file holds it and every tree file it names hashes
+        as recorded."""
+        if chosen["path"] != verdict or chosen.pop("trusted", None) is None:
+            return None
+        doc = _json_file(verdict)
+        files = doc.get("files") if isinstance(doc, dict) else None
+        if not isinstance(files, dict) or not files:
+            return "a verdict trusted that names no tree files"
+        for rel, want in files.items():
+            path = tree.package_dir / str(rel)
+            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != want:
+                return f"a verdict trusted though {rel} is not as recorded"
+        return None
+
+    return sf.Target("vllm-cli parser cache", run_input, lambda argv: False, contradicted,
                      call=call)
 
 
