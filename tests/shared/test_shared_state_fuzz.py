@@ -23,6 +23,10 @@ MORE_EXTENDED = 10_800  # 1,200 per target
 
 
 def _check(tallies: dict[str, sf.Tally], per_target: int) -> None:
+    for name, tally in tallies.items():  # the table (shown with -s / -rP)
+        codes = ", ".join(f"{c}: {n}" for c, n in sorted(tally.by_code.items()))
+        print(f"{name}: {tally.tried} inputs, {len(tally.failures)} failures ({codes}; "
+              f"cache misses {tally.misses})")
     failures = [f for t in tallies.values() for f in t.failures]
     assert failures == [], "\n".join(failures[:8])
     for name, tally in tallies.items():
