@@ -78,6 +78,19 @@ def owned_dirs(base: Path, path: Path, *, error: type[M3PatchError] = UnsafeStat
     return path
 
 
+def path_is(path: Path, kind: str) -> bool:
+    """`is_dir()` (kind "dir"), `is_file()` ("file") or `exists()` ("any") where a path the file
+    system refuses to look up (a name longer than NAME_MAX, from the command line, a recipe or a
+    manifest) is simply not there, so the caller names what it cannot find instead of ending in
+    an internal error."""
+    try:
+        if kind == "any":
+            return path.exists()
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except OSError:
+        return False
+
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._+-]{1,64}")
 
 

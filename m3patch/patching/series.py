@@ -14,6 +14,7 @@ from typing import Any
 
 from m3patch import schema
 from m3patch.errors import UsageError
+from m3patch.fsio import path_is
 from m3patch.markers import MARKER_KINDS, MarkerSpec, as_kind, regex_text
 from m3patch.patching.series_lock import (
     LOCK,
@@ -231,7 +232,7 @@ def load_series(series_dir: Path, *, with_lock: bool = True) -> Series:
     `with_lock=False` reads the manifest only (for `series lock`, which rewrites the lock)."""
     directory = Path(series_dir)
     manifest = directory / MANIFEST
-    if not manifest.is_file():
+    if not path_is(manifest, "file"):
         msg = f"{manifest}: no series manifest"
         raise UsageError(msg, hint=SERIES_HINT)
     with schema.in_file(manifest):
@@ -273,11 +274,11 @@ def series_path(text: str) -> Path:
     series name as `series list` prints it (`vllm-0.33.0`: ./patches/NAME, else the shipped
     one). An unknown bare name is a usage error naming the shipped series."""
     path = Path(text)
-    if path.exists() or not text or "/" in text or text.startswith(("~", ".", "$")):
+    if path_is(path, "any") or not text or "/" in text or text.startswith(("~", ".", "$")):
         return path
     shipped = shipped_dir("patches")
     for candidate in (Path("patches") / text, *([shipped / text] if shipped else [])):
-        if (candidate / MANIFEST).is_file():
+        if path_is(candidate / MANIFEST, "file"):
             return candidate
     names = shipped_series_names()
     msg = (f"{text}: no such series folder, and no shipped series is named {text!r}."

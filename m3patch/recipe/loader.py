@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from m3patch.fsio import path_is
 from m3patch.markers import MarkerSpec
 from m3patch.recipe import gates, launch
 from m3patch.recipe import target as served
@@ -81,10 +82,11 @@ def _series_dir(path: Path, text: str) -> Path:
     (`vllm-0.33.0`, as `m3patch series list` prints it) when no such folder is there."""
     relative = (path.parent / expand(text)).resolve()
     shipped = shipped_dir("patches")
-    if "/" not in text and not relative.is_dir() and shipped is not None \
-            and (shipped / text / "series.yaml").is_file():
+    if "/" not in text and not path_is(relative, "dir") and shipped is not None \
+            and path_is(shipped / text / "series.yaml", "file"):
         return (shipped / text).resolve()
     return relative
+
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from m3patch.errors import UsageError
+from m3patch.fsio import path_is
 from m3patch.schema import suggest
 from m3patch.shipped import shipped_dir
 
@@ -34,11 +35,11 @@ def recipe_path(text: str) -> Path:
     """The recipe file for a RECIPE argument (argparse type): an existing file, a path, or a
     shipped recipe's name; an unknown bare name is a usage error listing the shipped names."""
     path = Path(text)
-    if path.is_file() or not is_bare_name(text):
+    if path_is(path, "file") or not is_bare_name(text):
         return path
     stem = next((text[: -len(s)] for s in SUFFIXES if text.endswith(s)), text)
     folder = shipped_dir("recipes")
-    if folder is not None and (folder / f"{stem}.yaml").is_file():
+    if folder is not None and path_is(folder / f"{stem}.yaml", "file"):
         return folder / f"{stem}.yaml"
     names = shipped_recipe_names()
     msg = f"{text}: no such recipe file, and no shipped recipe is named {stem!r}.{suggest(stem, names)}"

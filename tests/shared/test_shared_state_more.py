@@ -135,3 +135,24 @@ def test_a_series_launch_spec_that_never_ends_is_refused(tmp_path: Path, kind: s
     with pytest.raises(UsageError, match="cannot read the series' launch spec"):
         series_spec(load_series(series))
     assert main(["series", "show", "--series", str(series)]) == 0  # the spec is not needed there
+
+
+def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before (found by the extended fuzz): a recipe whose `series:` is 10,000 characters, and a
+    RECIPE or --series argument that long, ended in 70 (ENAMETOOLONG from is_dir / is_file /
+    exists); now each says which series or recipe it cannot find (2)."""
+    long = "x" * 10_000
+    recipe = tmp_path / "recipe.yaml"
+    text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    recipe.write_text("\n".join(f"series: {long}" if line.startswith("series:") else line
+                                for line in text.splitlines()) + "\n")
+    for argv in (["recipe", "validate", str(recipe)], ["bench", str(recipe), "--no-plots"],
+                 ["serve", str(recipe), "--dry-run"], ["recipe", "validate", long],
+                 ["status", "--vllm-root", str(tmp_path), "--series", long]):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's type= refusals
+            code = int(exc.code or 0)
+        assert code == UsageError.exit_code, argv[:2]
+        assert "internal error" not in capsys.readouterr().err
