@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_SERIES = REPO / "tests" / "data" / "test-series"
@@ -146,3 +147,22 @@ def fill(directory: Path, leave_bytes: int) -> Path:
     free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
     filler.write_bytes(b"\0" * max(0, free - leave_bytes))
     return filler
+
+
+def revert_before_first_verify(monkeypatch: Any) -> list[int]:
+    """Make the race certain: the first `verify_tree` that serve / bench / ci's apply-verify
+    calls runs a real revert of the tree first (as a revert landing between the lock-free
+    apply and its verify). Returns the list that counts verify calls."""
+    from m3patch.patching import api
+
+    real_verify = api.verify_tree
+    calls: list[int] = []
+
+    def revert_first(tree: Any, series: Any, **kwargs: Any) -> Any:
+        if not calls:
+            api.revert_series(tree, series)
+        calls.append(1)
+        return real_verify(tree, series, **kwargs)
+
+    monkeypatch.setattr(api, "verify_tree", revert_first)
+    return calls

@@ -17,7 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-from core_helpers import CliRunner, append_diff, make_series, new_file_diff
+from core_helpers import (
+    CliRunner,
+    append_diff,
+    make_series,
+    new_file_diff,
+    revert_before_first_verify,
+)
 
 from m3patch import errors
 from m3patch.main import main
@@ -236,16 +242,7 @@ def test_apply_verify_racing_a_revert_retries_under_the_lock(
 
     root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
     assert cli("apply", *root)[0] == 0
-    real_verify = api.verify_tree
-    calls = []
-
-    def revert_first(tree, series, **kwargs):  # type: ignore[no-untyped-def]
-        if not calls:
-            api.revert_series(tree, series)
-        calls.append(1)
-        return real_verify(tree, series, **kwargs)
-
-    monkeypatch.setattr(api, "verify_tree", revert_first)
+    calls = revert_before_first_verify(monkeypatch)
     ensured = api.ensure_series(find_vllm(vllm_root=vllm_tree), load_series(test_series))
     assert ensured.verify.ok and len(calls) == 2
     assert ensured.ledger_bytes == (state(vllm_tree) / "ledger.json").read_bytes()

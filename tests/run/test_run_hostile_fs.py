@@ -19,11 +19,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_helpers import REPO, TEST_SERIES, fill, mounted, read_only_view
+from core_helpers import (
+    REPO,
+    TEST_SERIES,
+    fill,
+    mounted,
+    read_only_view,
+    revert_before_first_verify,
+)
 
 from m3patch import errors
 from m3patch.main import main
-from m3patch.patching import api
 from m3patch.patching.ledger import ledger_path
 from m3patch.patching.pristine import verify_against_record
 
@@ -232,16 +238,7 @@ def test_ci_with_a_revert_between_apply_and_verify_retries_under_the_lock(
     apply-verify step re-runs holding the tree lock and ends ok, the run's ledger the tree's."""
     path = recipe(tmp_path)
     assert m3patch(vllm_tree, "apply", "--series", str(TEST_SERIES)).returncode == 0
-    real_verify = api.verify_tree
-    calls: list[int] = []
-
-    def revert_first(tree, series, **kwargs):  # type: ignore[no-untyped-def]
-        if not calls:
-            api.revert_series(tree, series)
-        calls.append(1)
-        return real_verify(tree, series, **kwargs)
-
-    monkeypatch.setattr(api, "verify_tree", revert_first)
+    calls = revert_before_first_verify(monkeypatch)
     monkeypatch.setenv("M3PATCH_VLLM_ROOT", str(vllm_tree))
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
