@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m3patch.errors import EvalError, ServerDied
+from m3patch.fsio import path_is
 from m3patch.recipe.evals import EvalTask
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 from m3patch.serving.processes import StopRung, start_group, stop_group
@@ -79,7 +80,7 @@ def harness_argv(python: str, task: EvalTask, endpoint: Endpoint, out_dir: Path)
 
 def require_interpreter(python: str) -> None:
     """lm-eval lives in its own venv; say how to make it when it is not there."""
-    if not Path(python).is_file():
+    if not path_is(Path(python), "file"):
         msg = f"no lm-eval interpreter at {python}"
         raise EvalError(msg, hint=SETUP_HINT)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m3patch.errors import M3PatchError
+from m3patch.fsio import path_is
 from m3patch.marker_lint.lint import (
     Finding,
     TextIndex,
@@ -45,7 +46,7 @@ def installed_tree(recipe: Recipe) -> Path | None:
     """The tree the recipe's own interpreter imports, when it is the recipe's vLLM version
     (possibly patched by the series: `build_index` takes its pinned final images as they are)."""
     python = recipe.target.python
-    if python is None or not Path(python).exists():
+    if python is None or not path_is(Path(python), "any"):
         return None
     try:
         tree = find_vllm(python=python)

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from m3patch.errors import LaunchRejected, M3PatchError, UsageError, VersionMismatch, VllmNotFound
-from m3patch.fsio import parse_json, read_json, read_state, write_cache_json
+from m3patch.fsio import parse_json, path_is, read_json, read_state, write_cache_json
 from m3patch.output import info, warn
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, check_target, find_vllm
@@ -490,7 +490,7 @@ def _static_findings(recipe: Recipe, spec: CliSpec | None) -> tuple[list[str], s
 
 def _target_tree(python: str) -> tuple[VllmTree | None, str]:
     """The tree the launch interpreter imports, or why there is none to ask."""
-    if not Path(python).exists():
+    if not path_is(Path(python), "any"):
         return None, f"no target interpreter at {python}"
     try:
         return find_vllm(python=python), ""

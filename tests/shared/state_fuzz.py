@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -358,7 +359,9 @@ def run_inputs(box: Box, all_targets: list[Target], crash: Path, inputs: int,
         if why is not None:
             tally.failures.append(f"{target.name} [{label}] {' '.join(argv[:2])}: {why}: "
                                   f"{outcome.stderr.strip()[-300:]}")
-            for leftover in crash.iterdir():
+            for leftover in crash.iterdir():  # the traceback's last frames go with the failure
+                frames = re.sub(r"(.)\1{40,}", r"\1...", leftover.read_text(errors="replace"))
+                tally.failures[-1] += "\n" + frames[-1500:]
                 leftover.unlink()
             _heal(box, sentinel)
             sentinel = snapshot(box.outside)

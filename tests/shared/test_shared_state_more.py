@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -138,10 +139,12 @@ def test_a_series_launch_spec_that_never_ends_is_refused(tmp_path: Path, kind: s
 
 
 def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Before (found by the extended fuzz): a recipe whose `series:` is 10,000 characters, and a
-    RECIPE or --series argument that long, ended in 70 (ENAMETOOLONG from is_dir / is_file /
-    exists); now each says which series or recipe it cannot find (2)."""
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before (found by the extended fuzz): a recipe whose `series:` or `target.python` is 10,000
+    characters, and a RECIPE or --series argument that long, ended in 70 (ENAMETOOLONG from
+    is_dir / is_file / exists); now each says which series or recipe it cannot find (2), and a
+    python that long is one this machine does not have."""
     long = "x" * 10_000
     recipe = tmp_path / "recipe.yaml"
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
@@ -156,3 +159,10 @@ def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
             code = int(exc.code or 0)
         assert code == UsageError.exit_code, argv[:2]
         assert "internal error" not in capsys.readouterr().err
+    # target.python that long: not on this machine (a recipe for another host validates);
+    # an empty cache: the marker lint finds no pristine tree and only asks about the python
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    text = text.replace("series: ../patches", f"series: {REPO}/patches")
+    recipe.write_text(re.sub(r"python: .*", f"python: {long}", text, count=1))
+    assert main(["recipe", "validate", str(recipe)]) == 0
+    assert "internal error" not in capsys.readouterr().err

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from m3patch.bench.cells import AgenticCell
 from m3patch.errors import AgenticClientError, M3PatchError
+from m3patch.fsio import path_is
 from m3patch.recipe.agentic import AgenticScenario, TraceSource
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 
@@ -100,7 +101,7 @@ def client_env(tokenizer: str) -> dict[str, str]:
 def check_client(python: str) -> str:
     """AIPerf installed in `python`'s venv at the pinned version; its version, or raise (31)."""
     binary = aiperf_binary(python)
-    if not Path(python).is_file() or not binary.is_file():
+    if not path_is(Path(python), "file") or not path_is(binary, "file"):
         msg = f"AIPerf is not installed: no {binary} (the agentic client runs from its own venv)"
         raise AgenticClientError(msg, hint=SETUP_HINT)
     version = installed_version(python, "aiperf", AgenticClientError, SETUP_HINT)
