@@ -37,6 +37,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 32   | KvOffloadError        | the KV-offload tier failed: LMCache not the pinned version, a server not healthy by its deadline |
 | 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
 | 37   | WaiverIncomplete      | `series waiver`: a series entry lacks why, upstream or drop-when |
+| 40   | AgenticTraceError     | `aiperf synthesize agentic-code` failed, or its trace (fresh or cached) is not a valid Mooncake trace |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM (SIGHUP/SIGQUIT where not ignored)             |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -195,6 +196,13 @@ class AgenticClientError(M3PatchError):
     not installed, not the pinned version, exited non-zero, or its export misses a field."""
 
     exit_code = 31
+
+
+class AgenticTraceError(M3PatchError):
+    """The agentic trace a recipe synthesizes cannot be made: the manifest is unreadable, AIPerf's
+    `synthesize agentic-code` failed or overran, or what it wrote is not a valid Mooncake trace."""
+
+    exit_code = 40
 
 
 class KvOffloadError(M3PatchError):

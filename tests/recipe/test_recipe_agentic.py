@@ -59,7 +59,10 @@ def test_the_cpu_recipe_loads_into_agentic_cells() -> None:
     recipe = load_recipe(REPO / "recipes" / "cpu_tiny_moe_agentic.yaml")
     scenario = recipe.sweep.agentic
     assert scenario is not None and recipe.sweep.rows == ()
-    assert scenario.trace.kind == "synthetic" and dict(scenario.trace.synthetic)["seed"] == 0
+    trace = scenario.trace
+    assert trace.kind == "agentic-code" and dict(trace.synthetic) == {"sessions": 6, "seed": 0}
+    assert trace.manifest == REPO / "recipes" / "traces" / "cpu_tiny_agentic_code.json"
+    assert trace.manifest.is_file()
     cells = recipe_cells(recipe)
     assert [c.cell_id for c in cells] == ["agentic-kvnone-tp1-pp1-ep1-dp1-c1",
                                           "agentic-kvnone-tp1-pp1-ep1-dp1-c2"]
@@ -81,6 +84,16 @@ def test_the_cpu_recipe_loads_into_agentic_cells() -> None:
      "Perhaps you meant 'mooncake_trace'?"),
     (sweep_with(trace={"public-dataset": "semianalysis_cc_traces_weka_062126"}),
      "missing required key 'dataset'"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sesions": 6, "seed": 0}}),
+     "Perhaps you meant 'sessions'?"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 0, "seed": 0}}),
+     "sessions"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 2}}),
+     "missing required key 'seed'"),
+    (sweep_with(trace={"agentic-cod": {"manifest": "m.json", "sessions": 2, "seed": 0}}),
+     "Perhaps you meant 'agentic-code'?"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 2, "seed": 0},
+                       "file": "x.jsonl"}), "exactly one trace source"),
     (sweep_with(rows=[{"conc-list": [2, 1]}]), "strictly increasing"),
     (sweep_with(rows=[{"conc-list": [1], "kv-ofload": "none"}]), "Perhaps you meant 'kv-offload'?"),
     (sweep_with(rows=[{"conc-list": [1], "kv-offload": "dram"}]), "needs its backend"),
@@ -165,3 +178,13 @@ def test_a_relative_trace_file_resolves_beside_the_recipe(tmp_path: Path) -> Non
     assert recipe.sweep.agentic is not None
     assert recipe.sweep.agentic.trace.path == (tmp_path / "traces" / "t.jsonl").resolve()
     assert json.dumps(recipe.sweep.agentic.trace.label) == '"mooncake_trace:t.jsonl"'
+
+
+def test_an_agentic_code_trace_names_its_manifest_beside_the_recipe(tmp_path: Path) -> None:
+    sweep = sweep_with(trace={"agentic-code": {"manifest": "t/m.json", "sessions": 4, "seed": 7,
+                                               "max-isl": 300, "max-osl": 16}})
+    recipe = load_recipe(variant(tmp_path, sweep))
+    assert recipe.sweep.agentic is not None
+    trace = recipe.sweep.agentic.trace
+    assert trace.manifest == (tmp_path / "t" / "m.json").resolve()
+    assert trace.label == "agentic-code:m.json,sessions=4,seed=7,max-isl=300,max-osl=16"

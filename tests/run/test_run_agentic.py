@@ -6,6 +6,7 @@ caching off. And the refusals that come before any server starts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import socket
@@ -34,6 +35,8 @@ def recipe_at(path: Path, venv: Path, model: Path, **sweep: Any) -> Path:
     data["model"]["source"] = str(model)
     data["series"] = str(REPO / "patches" / "vllm-0.32.0")
     data["server"]["port"] = free_port()
+    manifest = data["sweep"]["trace"]["agentic-code"]
+    manifest["manifest"] = str(RECIPE.parent / manifest["manifest"])  # the copy lives elsewhere
     data["sweep"].update(sweep)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -79,6 +82,13 @@ def test_ci_replays_sessions_with_aiperf_and_scores_them_as_inferencex(
         assert data["tput_per_gpu"] > data["output_tput_per_gpu"] > 0
         prov = data["m3patch"]["provenance"]
         assert prov["verified"] is True and prov["ledger_sha256"]
+        # AIPerf replayed the run's copy of the synthesized trace, the one the cell names:
+        # 128 shared tokens + a session prefix open every session, so the mean prompt is longer.
+        trace = prov["agentic_trace"]
+        copy = run / trace["file"]
+        assert trace["sha256"] == hashlib.sha256(copy.read_bytes()).hexdigest()
+        assert (trace["rows"], trace["sessions"], trace["block_size"]) == (18, 6, 16)
+        assert data["mean_input_tokens"] > 128
     aggregate = json.loads((run / "aggregate.json").read_text())
     assert {row["scenario_type"] for row in aggregate["rows"]} == {"agentic-coding"}
     assert (run / "plots" / "throughput_vs_e2e_interactivity.png").is_file()
@@ -114,6 +124,22 @@ def test_missing_aiperf_or_trace_refuses_before_any_server(
     done = m3patch("ci", str(no_trace), "--run-dir", str(tmp_path / "t"), timeout=300)
     assert done.returncode == 19, done.stderr[-3000:]
     assert f"trace file {tmp_path / 'absent.jsonl'} does not exist" in done.stderr
+
+    # A manifest AIPerf's generator refuses (a lognormal mean below its median): exit 40 with
+    # AIPerf's reason, before any server; a manifest that is not there: 19, naming it.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"generation_length": {"mean": 8, "median": 16}}))
+    refused = recipe_at(tmp_path / "m.yaml", cpu_venv, tiny_model, trace={
+        "agentic-code": {"manifest": str(bad), "sessions": 2, "seed": 0}})
+    done = m3patch("ci", str(refused), "--run-dir", str(tmp_path / "m"), timeout=300)
+    assert done.returncode == 40, done.stderr[-3000:]
+    assert "aiperf synthesize agentic-code exited" in done.stderr and "median" in done.stderr
+    assert not (tmp_path / "m" / "servers").exists()
+    absent = recipe_at(tmp_path / "n.yaml", cpu_venv, tiny_model, trace={
+        "agentic-code": {"manifest": str(tmp_path / "none.json"), "sessions": 2, "seed": 0}})
+    done = m3patch("ci", str(absent), "--run-dir", str(tmp_path / "n"), timeout=300)
+    assert done.returncode == 19, done.stderr[-3000:]
+    assert f"agentic-code manifest {tmp_path / 'none.json'} does not exist" in done.stderr
 
     unpinned = recipe_at(tmp_path / "u.yaml", cpu_venv, tiny_model, rows=[
         {"conc-list": [1], "kv-offload": {"tier": "dram", "backend": "lmcache"}}])
