@@ -238,4 +238,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
     NodeLost, NodeAddress, RunDirBusy, OutputFailed, UnsafeState, WaiverIncomplete, Interrupted,
+    AgenticClientError, KvOffloadError, AgenticTraceError,
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,16 @@ def test_aiperf_synthesizes_the_shipped_manifest_the_same_for_a_seed(
     firsts = [json.loads(line) for line in made[0].data.splitlines()
               if b'"timestamp"' in line]
     assert len(firsts) == 6 and all(row["hash_ids"][:8] == list(range(8)) for row in firsts)
+
+
+def test_the_agentic_codes_are_unique_and_in_both_tables() -> None:
+    from m3patch import errors
+
+    codes = [cls.exit_code for cls in errors.ALL_ERRORS]
+    assert len(codes) == len(set(codes))
+    doc = (REPO / "docs" / "exit-codes.md").read_text()
+    for cls, code in ((errors.AgenticClientError, 31), (errors.KvOffloadError, 32),
+                      (AgenticTraceError, 40)):
+        assert cls in errors.ALL_ERRORS and cls.exit_code == code
+        assert re.search(rf"^\| {code} +\| {cls.__name__} ", doc, re.M), cls.__name__
+        assert re.search(rf"^\| {code} +\| {cls.__name__} ", errors.__doc__ or "", re.M)
