@@ -115,16 +115,19 @@ def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[AnyCell], *,
     info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def all_finished(run_dir: Path, cells: Sequence[AnyCell], gated: str | None = None) -> bool:
-    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated)
-               for cell in cells)
+def all_finished(run_dir: Path, cells: Sequence[AnyCell], gated: str | None = None,
+                 trace_key: str | None = None) -> bool:
+    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated,
+                             trace_key) for cell in cells)
 
 
-def cell_finished(path: Path, cell: AnyCell, gated: str | None = None) -> bool:
+def cell_finished(path: Path, cell: AnyCell, gated: str | None = None,
+                  trace_key: str | None = None) -> bool:
     """For --resume: a valid, complete file for exactly this cell (either scenario); with
-    `gated`, a fixed-length cell only when measured on a gated server of that recipe hash."""
+    `gated`, a fixed-length cell only when measured on a gated server of that recipe hash;
+    with `trace_key`, an agentic cell only when it replayed that synthesized trace."""
     if isinstance(cell, AgenticCell):
-        return agentic_finished(path, cell)
+        return agentic_finished(path, cell, trace_key)
     return finished_cell(path, cell, gated)
 
 

@@ -31,6 +31,7 @@ from types import TracebackType
 from m3patch.bench import spec as bench_spec
 from m3patch.bench.agentic.lmcache import row_servers
 from m3patch.bench.agentic.preflight import preflight as agentic_preflight
+from m3patch.bench.agentic.synthesize import trace_key
 from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
 from m3patch.bench.results import gated_by
@@ -191,7 +192,10 @@ def server_source(spec: RunSpec, recipe: Recipe, run_dir: Path, cells: tuple[Any
                   gated: str | None) -> ServerSource:
     """NONE only when nothing is left to measure or judge: every cell kept, and where the run
     has an eval step, a recorded eval that passed on a gated server of this recipe."""
-    if spec.resume and all_finished(run_dir, cells, gated) and not _eval_left(spec, recipe, run_dir):
+    agentic = recipe.sweep.agentic
+    key = trace_key(agentic.trace) if agentic is not None else None
+    if (spec.resume and all_finished(run_dir, cells, gated, key)
+            and not _eval_left(spec, recipe, run_dir)):
         return ServerSource.NONE
     return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
 

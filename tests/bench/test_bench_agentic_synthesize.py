@@ -245,3 +245,36 @@ def test_the_agentic_codes_are_unique_and_in_both_tables() -> None:
         assert cls in errors.ALL_ERRORS and cls.exit_code == code
         assert re.search(rf"^\| {code} +\| {cls.__name__} ", doc, re.M), cls.__name__
         assert re.search(rf"^\| {code} +\| {cls.__name__} ", errors.__doc__ or "", re.M)
+
+
+def test_resume_keeps_a_cell_only_for_the_trace_it_replayed(tmp_path: Path) -> None:
+    """An edited manifest keeps its name (the cell's trace label) but not its sessions: a resumed
+    run measures the cell again instead of mixing two traces in one table."""
+    from m3patch.bench.agentic.results import cell_document, finished
+    from m3patch.bench.agentic.scoring import score
+    from m3patch.bench.cells import AgenticCell, Parallelism
+    from m3patch.bench.results import write_result
+    from m3patch.bench.runner import all_finished
+    from m3patch.recipe.agentic import KvOffload
+
+    cell = AgenticCell(Parallelism(tp=1), 2, KvOffload(), trace_of(MANIFEST).label, None, 3, 0)
+    record = {"metadata": {"benchmark_phase": "profiling", "request_start_ns": 0,
+                           "request_end_ns": 10**9},
+              "metrics": {"request_latency": {"value": 1000.0, "unit": "ms"},
+                          "time_to_first_token": {"value": 50.0, "unit": "ms"},
+                          "inter_token_latency": {"value": 10.0, "unit": "ms"},
+                          "output_sequence_length": {"value": 10, "unit": "tokens"},
+                          "input_sequence_length": {"value": 100, "unit": "tokens"}},
+              "error": None}
+    key = synthesize.trace_key(trace_of(MANIFEST))
+    assert key and key == cache_key(trace_of(MANIFEST), MANIFEST.read_bytes())
+    document = cell_document(cell, score([record], 1), {"aiperf_version": "0.13.0"},
+                             provenance={"agentic_trace": {"key": key}}, client_seconds=1.0,
+                             aiperf_version="0.13.0", artifacts="raw/x", dram_gb=0)
+    path = tmp_path / "cells" / f"{cell.cell_id}.json"
+    path.parent.mkdir()
+    write_result(path, document)
+    assert finished(path, cell, key) and finished(path, cell)
+    assert not finished(path, cell, "another-manifest")
+    assert all_finished(tmp_path, [cell], None, key)
+    assert not all_finished(tmp_path, [cell], None, synthesize.trace_key(trace_of(tmp_path / "x")))

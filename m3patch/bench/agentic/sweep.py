@@ -65,7 +65,7 @@ def run_agentic_sweep(
     with progress(len(cells), "agentic sweep") as advance:
         for cell in cells:
             cell_file = settings.run_dir / CELLS_DIR / f"{cell.cell_id}.json"
-            if settings.resume and finished(cell_file, cell):
+            if settings.resume and finished(cell_file, cell, trace_record.get("key")):
                 skipped.append(cell.cell_id)
                 advance(f"{cell.cell_id} (kept)")
                 continue

@@ -173,6 +173,17 @@ def _row_problem(row: dict[str, Any], block_size: int, *, first: bool) -> str | 
     return None
 
 
+def trace_key(trace: TraceSource) -> str | None:
+    """What a resumed cell must have replayed: the cache key of an agentic-code trace (None for
+    another source; "" when the manifest cannot be read, which no cell matches)."""
+    if trace.kind != AGENTIC_CODE:
+        return None
+    try:
+        return cache_key(trace, read_manifest(trace))
+    except AgenticTraceError:
+        return ""
+
+
 def cache_state(trace: TraceSource) -> tuple[Path, str | None]:
     """Read-only: the cache entry for `trace` and why it cannot serve a run (None: it can)."""
     manifest = read_manifest(trace)
@@ -300,6 +311,7 @@ def for_run(scenario: AgenticScenario, run_dir: Path) -> tuple[AgenticScenario, 
     copy = run_dir / RUN_TRACE
     write_bytes_atomic(copy, made.data, error=AgenticTraceError)
     record = {"source": trace.label, "manifest": str(trace.manifest), "sha256": made.sha256,
+              "key": made.cached.stem,
               "rows": made.summary.rows, "sessions": made.summary.sessions,
               "block_size": made.block_size, "file": str(RUN_TRACE)}
     return replace(scenario, trace=replace(trace, path=copy, block_size=made.block_size)), record
