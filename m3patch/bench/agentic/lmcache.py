@@ -29,6 +29,7 @@ from m3patch.recipe.agentic import (
     LMCACHE_HOST,
     LMCACHE_HTTP_PORT_BASE,
     LMCACHE_PORT_BASE,
+    LMCACHE_TRANSFER_MODE,
     KvOffload,
 )
 from m3patch.serving.processes import StopRung, start_group, stop_group
@@ -80,7 +81,7 @@ def plan_shards(lmcache: str, budget_gb: int, tp: int) -> tuple[ShardPlan, ...]:
                 "--http-host", LMCACHE_HOST, "--http-port", str(http_port),
                 "--l1-size-gb", str(l1), "--l1-init-size-gb", str(min(10, l1)),
                 "--l1-read-ttl-seconds", "7200", "--chunk-size", "256", "--max-workers", "2",
-                "--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven")
+                "--eviction-policy", "LRU", "--supported-transfer-mode", LMCACHE_TRANSFER_MODE)
         plans.append(ShardPlan(rank, argv, port, http_port))
     return tuple(plans)
 
