@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -42,9 +43,11 @@ def recipe_at(path: Path, venv: Path, model: Path, **sweep: Any) -> Path:
     return path
 
 
-def m3patch(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def m3patch(*args: str, timeout: float,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "m3patch", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout, check=False)
+                          cwd=REPO, timeout=timeout, check=False,
+                          env={**os.environ, **env} if env else None)
 
 
 def cells(run: Path) -> dict[str, dict[str, Any]]:
@@ -140,6 +143,19 @@ def test_missing_aiperf_or_trace_refuses_before_any_server(
     done = m3patch("ci", str(absent), "--run-dir", str(tmp_path / "n"), timeout=300)
     assert done.returncode == 19, done.stderr[-3000:]
     assert f"agentic-code manifest {tmp_path / 'none.json'} does not exist" in done.stderr
+
+    # model check / fetch cover the synthesized trace: check is read-only and says whether the
+    # cache holds a valid synthesis; fetch makes (or re-checks) it.
+    cache = tmp_path / "cache"
+    env_cache = {"M3PATCH_CACHE": str(cache)}
+    fine = recipe_at(tmp_path / "f.yaml", cpu_venv, tiny_model)
+    check = m3patch("model", "check", str(fine), timeout=120, env=env_cache)
+    assert check.returncode == 0 and "not synthesized yet" in check.stdout, check.stderr[-2000:]
+    assert not cache.exists()
+    fetched = m3patch("model", "fetch", str(fine), timeout=300, env=env_cache)
+    assert fetched.returncode == 0 and "synthesized: 6 sessions, 18 turns" in fetched.stdout
+    check = m3patch("model", "check", str(fine), timeout=120, env=env_cache)
+    assert check.returncode == 0 and "cached, valid" in check.stdout
 
     unpinned = recipe_at(tmp_path / "u.yaml", cpu_venv, tiny_model, rows=[
         {"conc-list": [1], "kv-offload": {"tier": "dram", "backend": "lmcache"}}])
