@@ -62,6 +62,6 @@ def remember(old: set[str], new: Iterable[str]) -> None:
     good = sorted(old | fresh) if len(old) + len(fresh) <= LIMIT else sorted(fresh)
     try:
         write_json_atomic(memo_path(), {"schema": SCHEMA, "interpreter": interpreter_key(),
-                                        "ok": good}, indent=0)
+                                        "ok": good}, indent=None, durable=False)
     except (M3PatchError, OSError):
         return

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from m3patch.errors import VerifyFailed
-from m3patch.patching import compile_memo
+from m3patch.patching import compile_memo, compile_pool
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree, compile_with
 from m3patch.patching.series import Series
@@ -68,24 +67,15 @@ class VerifyReport:
 
 
 def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
-    """Compile each source with this interpreter; contents this interpreter compiled before
-    (compile_memo, by sha256) are not compiled again."""
-    errors = {}
+    """Compile each source with this interpreter (spread over the CPUs, compile_pool); contents
+    this interpreter compiled before (compile_memo, by sha256) are not compiled again."""
     good = compile_memo.known_good()
-    compiled = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
-        for path, data in sources.items():
-            key = digest(data)
-            if key in good:
-                continue
-            try:
-                compile(data, path, "exec", dont_inherit=True)
-            except (SyntaxError, ValueError) as exc:
-                errors[path] = str(exc)
-            else:
-                compiled.append(key)
-    compile_memo.remember(good, compiled)
+    keys = {path: digest(data) for path, data in sources.items()}
+    todo = [(path, data) for path, data in sources.items() if keys[path] not in good]
+    verdicts = compile_pool.compile_all(todo)
+    errors = {path: error for (path, _), error in zip(todo, verdicts, strict=True)
+              if error is not None}
+    compile_memo.remember(good, [keys[p] for p, _ in todo if p not in errors])
     return errors
 
 

@@ -1,0 +1,78 @@
+"""verify's compile check spread over forked children gives exactly the serial verdicts, and
+fails closed: a child that dies or reports garbage has its share compiled again by the parent,
+so a source that does not compile is never passed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from m3patch.patching import compile_pool
+
+GOOD = b"def f(x):\n    return [y for y in range(x)]\n" * 40
+BROKEN = {  # one error from each stage: parser, symbol table, code generator
+    "vllm/parse.py": b"def f(:\n",
+    "vllm/symtable.py": b"nonlocal x\n",
+    "vllm/codegen.py": b"def f():\n    pass\nbreak\n",
+}
+
+
+def _items() -> list[tuple[str, bytes]]:
+    items = [(f"vllm/good_{i}.py", GOOD * (1 + i % 7)) for i in range(60)]
+    for n, (path, data) in enumerate(BROKEN.items()):
+        items.insert(17 * n + 3, (path, data))
+    return items
+
+
+@pytest.fixture
+def forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force the forked path whatever this machine's CPU count and the sources' size."""
+    monkeypatch.setattr(compile_pool, "MIN_BYTES", 0)
+    monkeypatch.setattr(compile_pool, "workers", lambda: 3)
+
+
+def _serial(items: list[tuple[str, bytes]]) -> list[str | None]:
+    return [compile_pool.compile_one(path, data) for path, data in items]
+
+
+@pytest.mark.usefixtures("forked")
+def test_forked_verdicts_equal_the_serial_ones() -> None:
+    items = _items()
+    verdicts = compile_pool.compile_all(items)
+    assert verdicts == _serial(items)
+    failed = {path for (path, _), v in zip(items, verdicts, strict=True) if v is not None}
+    assert failed == set(BROKEN)
+
+
+def _dies(items: object, share: object, write_fd: int) -> None:
+    os._exit(3)
+
+
+def _lies(items: object, share: object, write_fd: int) -> None:
+    os.write(write_fd, b"[[0, null]]")  # one verdict for a whole share: not believed
+    os._exit(0)
+
+
+def _says_all_good(items: object, share: list[int], write_fd: int) -> None:
+    os.write(write_fd, str([[i, None] for i in share]).replace("None", "null").encode())
+    os._exit(1)  # but exits non-zero: not believed either
+
+
+@pytest.mark.usefixtures("forked")
+@pytest.mark.parametrize("child", [_dies, _lies, _says_all_good])
+def test_a_child_that_fails_has_its_share_compiled_by_the_parent(
+        child: Callable[..., None], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_pool, "_child", child)
+    items = _items()
+    assert compile_pool.compile_all(items) == _serial(items)
+
+
+def test_shares_balance_by_size_and_cover_every_index() -> None:
+    sizes = [100, 1, 1, 50, 50, 3, 0]
+    parts = compile_pool.shares(sizes, 3)
+    assert sorted(i for p in parts for i in p) == list(range(len(sizes)))
+    totals = [sum(sizes[i] for i in p) for p in parts]
+    assert totals == sorted(totals, reverse=True)
+    assert totals[0] == 100
