@@ -66,11 +66,13 @@ class VerifyReport:
             raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
 
 
-def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
+def _compile_here(sources: Mapping[str, bytes],
+                  hashes: Mapping[str, str | None]) -> dict[str, str]:
     """Compile each source with this interpreter (spread over the CPUs, compile_pool); contents
-    this interpreter compiled before (compile_memo, by sha256) are not compiled again."""
+    this interpreter compiled before (compile_memo, by sha256) are not compiled again.
+    `hashes`: the sha256 of each source as verify just computed it (else hashed here)."""
     good = compile_memo.known_good()
-    keys = {path: digest(data) for path, data in sources.items()}
+    keys = {path: hashes.get(path) or digest(data) for path, data in sources.items()}
     todo = [(path, data) for path, data in sources.items() if keys[path] not in good]
     verdicts = compile_pool.compile_all(todo)
     errors = {path: error for (path, _), error in zip(todo, verdicts, strict=True)
@@ -79,16 +81,18 @@ def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
     return errors
 
 
-def content_problems(python: str | None, contents: Contents) -> tuple[str, list[str]]:
+def content_problems(python: str | None, contents: Contents,
+                     hashes: Mapping[str, str | None]) -> tuple[str, list[str]]:
     """Compile every .py with the tree's interpreter (in memory: no .pyc is written) and parse
-    every .json. Returns (which interpreter compiled, problems)."""
+    every .json; `hashes`: the contents' sha256 (current_hashes). Returns (which interpreter
+    compiled, problems)."""
     sources = {p: d for p, d in contents.items() if d is not None and p.endswith(".py")}
     here = f"{sys.executable} (Python {sys.version.split()[0]})"
     if python is None:
         who = f"{here}: m3patch's own; no interpreter known for this tree (pass --python)"
-        errors = _compile_here(sources)
+        errors = _compile_here(sources, hashes)
     elif os.path.realpath(python) == os.path.realpath(sys.executable):
-        who, errors = f"{here}: the tree's interpreter", _compile_here(sources)
+        who, errors = f"{here}: the tree's interpreter", _compile_here(sources, hashes)
     else:
         version, errors = compile_with(python, dict(sources))
         who = f"{python} (Python {version}): the tree's interpreter"
@@ -131,7 +135,8 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
                           "sha256": status.current,
                           "hunks": [h.fields(pid) for pid, h in status.hunks],
                           "differs_at": status.differs_at})
-    who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
+    who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off},
+                                currents)
     notes = [] if target.plain else [target.note]
     notes += ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),

@@ -63,6 +63,13 @@ def release_series(old: Path, new: Path, dest: Path) -> dict[str, int]:
     return {"patches": number, "files": files, "hunks": hunks, "binary_files_left_out": binaries}
 
 
+def on_disk(tree: Path) -> Path:
+    """The copy flushed before it is timed, as an installed tree is: a command that makes its
+    own writes durable (m3patch's syncfs) must not also pay for flushing the copy itself."""
+    os.sync()
+    return tree
+
+
 def timed(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, float]:
     """(wall, cpu) seconds of one run; a failure stops the benchmark with its output."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -92,7 +99,7 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
     samples: dict[str, list[tuple[float, float]]] = {}
     patches = sorted(str(p) for p in series.glob("*.patch"))
     for run in range(runs):
-        tree = copy_tree(old, work / f"git-{run}")
+        tree = on_disk(copy_tree(old, work / f"git-{run}"))
         samples.setdefault("git apply", []).append(
             timed(["git", "apply", *patches], cwd=tree, env=base_env))
         shutil.rmtree(tree)
@@ -100,7 +107,7 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
             cache = work / f"cache-{label}-{run}"  # empty: the cold runs
             for temp in ("cold", "warm"):
                 env = {**base_env, "M3PATCH_CACHE": str(cache)}
-                tree = copy_tree(old, work / f"m3-{label}-{run}-{temp}")
+                tree = on_disk(copy_tree(old, work / f"m3-{label}-{run}-{temp}"))
                 m3 = [sys.executable, "-m", "m3patch"]
                 where = ["--vllm-root", str(tree), "--series", str(series)]
                 samples.setdefault(f"{label}: m3patch apply ({temp})", []).append(
