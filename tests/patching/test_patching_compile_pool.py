@@ -11,7 +11,7 @@ import pytest
 
 from m3patch.patching import compile_pool
 
-GOOD = b"def f(x):\n    return [y for y in range(x)]\n" * 40
+GOOD = b"def f(x):\n    return [y for y in range(x)]\n" * 10
 BROKEN = {  # one error from each stage: parser, symbol table, code generator
     "vllm/parse.py": b"def f(:\n",
     "vllm/symtable.py": b"nonlocal x\n",
@@ -20,9 +20,9 @@ BROKEN = {  # one error from each stage: parser, symbol table, code generator
 
 
 def _items() -> list[tuple[str, bytes]]:
-    items = [(f"vllm/good_{i}.py", GOOD * (1 + i % 7)) for i in range(60)]
+    items = [(f"vllm/good_{i}.py", GOOD * (1 + i % 5)) for i in range(40)]
     for n, (path, data) in enumerate(BROKEN.items()):
-        items.insert(17 * n + 3, (path, data))
+        items.insert(13 * n + 3, (path, data))
     return items
 
 
