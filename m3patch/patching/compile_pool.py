@@ -2,8 +2,8 @@
 
 A release-sized series has over a thousand patched .py files and compiling them is nearly all
 of a cold `verify`; compile() holds the GIL, so the work is split over forked children (each
-gets a share balanced by size, the parent compiles the largest share itself) and every child
-reports one verdict per source through a pipe. Nothing is written anywhere: a read-only command
+gets a share balanced by size, the parent compiles the largest share itself; only a process
+without other threads forks) and every child reports one verdict per source through a pipe. Nothing is written anywhere: a read-only command
 may use it. Fail closed: a child that dies, is killed or reports anything but a verdict for each
 source of its share has its share compiled again here, so no source passes unchecked.
 """
@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -56,6 +57,14 @@ def shares(sizes: Sequence[int], count: int) -> list[list[int]]:
         totals[lightest] += sizes[i]
     order = sorted(range(count), key=lambda s: -totals[s])
     return [out[s] for s in order if out[s]]
+
+
+def _may_fork() -> bool:
+    """Fork only a single-threaded process on a platform where fork is sound: a thread of the
+    serve path (a log pump, a watcher) may hold a lock the child would wait on forever."""
+    if not hasattr(os, "fork") or sys.platform == "darwin":  # fork after macOS frameworks: unsafe
+        return False
+    return threading.active_count() == 1
 
 
 def _child(items: Sequence[tuple[str, bytes]], share: list[int], write_fd: int) -> None:
@@ -141,8 +150,7 @@ def compile_all(items: Sequence[tuple[str, bytes]]) -> list[str | None]:
     """Per (path, source): None when it compiles here, else the error; in forked children when
     there is enough work and more than one CPU (Linux and other fork platforms)."""
     count = workers()
-    if count < 2 or sum(len(d) for _, d in items) < MIN_BYTES or not hasattr(os, "fork") \
-            or sys.platform == "darwin":  # fork after the macOS frameworks load is unsafe
+    if count < 2 or sum(len(d) for _, d in items) < MIN_BYTES or not _may_fork():
         return list(_compile_share(items, list(range(len(items)))).values())
     parts = shares([len(d) for _, d in items], count)
     children = []

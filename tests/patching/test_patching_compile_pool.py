@@ -5,6 +5,7 @@ so a source that does not compile is never passed."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -27,20 +28,33 @@ def _items() -> list[tuple[str, bytes]]:
 
 
 @pytest.fixture
-def forked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the forked path whatever this machine's CPU count and the sources' size."""
+def forks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Force the forked path whatever this machine's CPU count, the sources' size and the test
+    runner's own threads; the pids of the children forked."""
     monkeypatch.setattr(compile_pool, "MIN_BYTES", 0)
     monkeypatch.setattr(compile_pool, "workers", lambda: 3)
+    monkeypatch.setattr(compile_pool, "_may_fork", lambda: True)
+    pids: list[int] = []
+    real_fork = os.fork
+
+    def fork() -> int:
+        pid = real_fork()
+        if pid:
+            pids.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    return pids
 
 
 def _serial(items: list[tuple[str, bytes]]) -> list[str | None]:
     return [compile_pool.compile_one(path, data) for path, data in items]
 
 
-@pytest.mark.usefixtures("forked")
-def test_forked_verdicts_equal_the_serial_ones() -> None:
+def test_forked_verdicts_equal_the_serial_ones(forks: list[int]) -> None:
     items = _items()
     verdicts = compile_pool.compile_all(items)
+    assert len(forks) == 2  # the parent compiles the third share
     assert verdicts == _serial(items)
     failed = {path for (path, _), v in zip(items, verdicts, strict=True) if v is not None}
     assert failed == set(BROKEN)
@@ -60,13 +74,13 @@ def _says_all_good(items: object, share: list[int], write_fd: int) -> None:
     os._exit(1)  # but exits non-zero: not believed either
 
 
-@pytest.mark.usefixtures("forked")
 @pytest.mark.parametrize("child", [_dies, _lies, _says_all_good])
 def test_a_child_that_fails_has_its_share_compiled_by_the_parent(
-        child: Callable[..., None], monkeypatch: pytest.MonkeyPatch) -> None:
+        child: Callable[..., None], forks: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_pool, "_child", child)
     items = _items()
     assert compile_pool.compile_all(items) == _serial(items)
+    assert len(forks) == 2
 
 
 def test_shares_balance_by_size_and_cover_every_index() -> None:
@@ -76,3 +90,14 @@ def test_shares_balance_by_size_and_cover_every_index() -> None:
     totals = [sum(sizes[i] for i in p) for p in parts]
     assert totals == sorted(totals, reverse=True)
     assert totals[0] == 100
+
+
+def test_a_process_with_other_threads_does_not_fork() -> None:
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not compile_pool._may_fork()
+    finally:
+        release.set()
+        other.join()
