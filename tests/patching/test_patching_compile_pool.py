@@ -5,12 +5,13 @@ so a source that does not compile is never passed."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 
 import pytest
 
-from m3patch.patching import compile_pool
+from m3patch.patching import compile_pool, locate
 
 GOOD = b"def f(x):\n    return [y for y in range(x)]\n" * 10
 BROKEN = {  # one error from each stage: parser, symbol table, code generator
@@ -101,3 +102,24 @@ def test_a_process_with_other_threads_does_not_fork() -> None:
     finally:
         release.set()
         other.join()
+
+
+def test_another_interpreter_compiles_in_one_run_per_share_with_the_same_verdicts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --python: the shares run at once, their verdicts merged as one run gives them."""
+    items = _items()
+    whole_version, whole = locate.compile_with(sys.executable, dict(items))
+    monkeypatch.setattr(compile_pool, "MIN_BYTES", 0)
+    monkeypatch.setattr(compile_pool, "workers", lambda: 3)
+    runs: list[int] = []
+    real_run = locate._compile_run
+
+    def counted(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+        runs.append(len(sources))
+        return real_run(python, sources)
+
+    monkeypatch.setattr(locate, "_compile_run", counted)
+    version, errors = locate.compile_with(sys.executable, dict(items))
+    assert len(runs) == 3 and sum(runs) == len(items)
+    assert (version, errors) == (whole_version, whole)
+    assert set(errors) == set(BROKEN)
