@@ -258,7 +258,7 @@ def check_target(tree: VllmTree, target_version: str, target_commit: str | None)
 
 
 _COMPILE = r"""
-import base64, json, sys, warnings
+import base64, importlib.util, json, sys, warnings
 warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
 errors = {}
 for path, blob in json.load(sys.stdin).items():
@@ -266,13 +266,26 @@ for path, blob in json.load(sys.stdin).items():
         compile(base64.b64decode(blob), path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         errors[path] = str(exc)
-print(json.dumps({"version": sys.version.split()[0], "errors": errors}))
+key = f"{sys.implementation.cache_tag}-{importlib.util.MAGIC_NUMBER.hex()}"
+print(json.dumps({"version": sys.version.split()[0], "errors": errors, "key": key}))
 """
 
 
 def _compile_run(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
     """(Python version, {path: error}) from compiling `sources` in memory in one run of `python`
     (isolated, no site, no .pyc written)."""
+    version, errors, _ = _compile_run_keyed(python, sources)
+    return version, errors
+
+
+def interpreter_of(python: str) -> tuple[str, str]:
+    """(Python version, compile memo key: cache tag and bytecode magic) of `python`, from one
+    run of it that compiles nothing; the key is only a memo name (compile_memo checks it)."""
+    version, _, key = _compile_run_keyed(python, {})
+    return version, key
+
+
+def _compile_run_keyed(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str], str]:
     payload = json.dumps({p: base64.b64encode(d).decode() for p, d in sources.items()})
     hint = "pass --python PATH to the interpreter that runs vLLM"
     try:
@@ -281,7 +294,8 @@ def _compile_run(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str,
         if proc.returncode != 0:
             raise ValueError(proc.stderr.strip()[-300:])
         result = json.loads(proc.stdout.strip().splitlines()[-1])
-        return str(result["version"]), {str(k): str(v) for k, v in result["errors"].items()}
+        return (str(result["version"]), {str(k): str(v) for k, v in result["errors"].items()},
+                str(result["key"]))
     except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as exc:
         msg = f"cannot compile the patched files with {python}: {exc}"
         raise VerifyFailed(msg, hint=hint) from None

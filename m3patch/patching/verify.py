@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from m3patch.errors import VerifyFailed
 from m3patch.patching import compile_memo, compile_pool
 from m3patch.patching.ledger import digest
-from m3patch.patching.locate import VllmTree, compile_with
+from m3patch.patching.locate import VllmTree, compile_with, interpreter_of
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
 from m3patch.patching.snapshot import (
@@ -66,19 +66,25 @@ class VerifyReport:
             raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
 
 
-def _compile_here(sources: Mapping[str, bytes],
-                  hashes: Mapping[str, str | None]) -> dict[str, str]:
-    """Compile each source with this interpreter (spread over the CPUs, compile_pool); contents
-    this interpreter compiled before (compile_memo, by sha256) are not compiled again.
+def _memoized(sources: Mapping[str, bytes], hashes: Mapping[str, str | None], key: str | None,
+              compile_all: Callable[[dict[str, bytes]], dict[str, str]]) -> dict[str, str]:
+    """`compile_all` of the sources the interpreter `key` (None: this one) is not known to
+    compile (compile_memo, by sha256); its successes are remembered where writes are allowed.
     `hashes`: the sha256 of each source as verify just computed it (else hashed here)."""
-    good = compile_memo.known_good()
+    good = compile_memo.known_good(key)
     keys = {path: hashes.get(path) or digest(data) for path, data in sources.items()}
-    todo = [(path, data) for path, data in sources.items() if keys[path] not in good]
-    verdicts = compile_pool.compile_all(todo)
-    errors = {path: error for (path, _), error in zip(todo, verdicts, strict=True)
-              if error is not None}
-    compile_memo.remember(good, [keys[p] for p, _ in todo if p not in errors])
+    todo = {path: data for path, data in sources.items() if keys[path] not in good}
+    errors = compile_all(todo) if todo else {}
+    compile_memo.remember(good, [keys[p] for p in todo if p not in errors], key)
     return errors
+
+
+def _compile_here(sources: dict[str, bytes]) -> dict[str, str]:
+    """Compile each source with this interpreter, spread over the CPUs (compile_pool)."""
+    items = list(sources.items())
+    verdicts = compile_pool.compile_all(items)
+    return {path: error for (path, _), error in zip(items, verdicts, strict=True)
+            if error is not None}
 
 
 def content_problems(python: str | None, contents: Contents,
@@ -90,11 +96,13 @@ def content_problems(python: str | None, contents: Contents,
     here = f"{sys.executable} (Python {sys.version.split()[0]})"
     if python is None:
         who = f"{here}: m3patch's own; no interpreter known for this tree (pass --python)"
-        errors = _compile_here(sources, hashes)
+        errors = _memoized(sources, hashes, None, _compile_here)
     elif os.path.realpath(python) == os.path.realpath(sys.executable):
-        who, errors = f"{here}: the tree's interpreter", _compile_here(sources, hashes)
+        who = f"{here}: the tree's interpreter"
+        errors = _memoized(sources, hashes, None, _compile_here)
     else:
-        version, errors = compile_with(python, dict(sources))
+        version, key = interpreter_of(python)
+        errors = _memoized(sources, hashes, key, lambda todo: compile_with(python, todo)[1])
         who = f"{python} (Python {version}): the tree's interpreter"
     problems = [f"{p}: does not compile with {who.split(':')[0]}: {e}" for p, e in errors.items()]
     for path, data in contents.items():

@@ -8,10 +8,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from m3patch.patching import compile_pool, locate
+from m3patch.patching import compile_memo, compile_pool, locate, memo, verify
 
 GOOD = b"def f(x):\n    return [y for y in range(x)]\n" * 10
 BROKEN = {  # one error from each stage: parser, symbol table, code generator
@@ -123,3 +124,46 @@ def test_another_interpreter_compiles_in_one_run_per_share_with_the_same_verdict
     assert len(runs) == 3 and sum(runs) == len(items)
     assert (version, errors) == (whole_version, whole)
     assert set(errors) == set(BROKEN)
+
+
+def test_another_interpreter_has_a_compile_memo_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --python: what the tree's interpreter compiled is remembered under its own key
+    (a writing command), so the next verify sends it only the rest; a read-only run and a key
+    that is not a key write nothing."""
+    wrapper = tmp_path / "python"  # another path, so verify treats it as another interpreter
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(memo._STATE, "read_only", False)
+    sent: list[int] = []
+    real_run = locate._compile_run
+
+    def counted(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+        sent.append(len(sources))
+        return real_run(python, sources)
+
+    monkeypatch.setattr(locate, "_compile_run", counted)
+    sources = dict(_items())
+    for _ in range(2):
+        who, problems = verify.content_problems(str(wrapper), dict(sources), {})
+        assert who.startswith(f"{wrapper} (Python 3.")
+        assert {line.split(":")[0] for line in problems} == set(BROKEN)
+    assert sent == [len(sources), len(BROKEN)]  # failures are compiled again, for the message
+    key = locate.interpreter_of(str(wrapper))[1]
+    assert compile_memo.known_good(key) and (tmp_path / "cache" / "compiled" / f"{key}.json").is_file()
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "read-only-cache"))
+    monkeypatch.setitem(memo._STATE, "read_only", True)
+    verify.content_problems(str(wrapper), dict(sources), {})
+    assert not (tmp_path / "read-only-cache").exists()
+
+
+@pytest.mark.parametrize("key", ["../../x-0000000a", "cpython-311", "", "A-12345678"])
+def test_a_key_that_is_not_an_interpreter_key_is_no_memo(
+        key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(memo._STATE, "read_only", False)
+    compile_memo.remember(set(), ["0" * 64], key)
+    assert compile_memo.known_good(key) == set()
+    assert not (tmp_path / "cache").exists()
