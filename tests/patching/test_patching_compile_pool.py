@@ -105,37 +105,9 @@ def test_a_process_with_other_threads_does_not_fork() -> None:
         other.join()
 
 
-def test_another_interpreter_compiles_in_one_run_per_share_with_the_same_verdicts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """verify --python: the shares run at once, their verdicts merged as one run gives them."""
-    items = _items()
-    whole_version, whole = locate.compile_with(sys.executable, dict(items))
-    monkeypatch.setattr(compile_pool, "MIN_BYTES", 0)
-    monkeypatch.setattr(compile_pool, "workers", lambda: 3)
-    runs: list[int] = []
-    real_run = locate._compile_run
-
-    def counted(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
-        runs.append(len(sources))
-        return real_run(python, sources)
-
-    monkeypatch.setattr(locate, "_compile_run", counted)
-    version, errors = locate.compile_with(sys.executable, dict(items))
-    assert len(runs) == 3 and sum(runs) == len(items)
-    assert (version, errors) == (whole_version, whole)
-    assert set(errors) == set(BROKEN)
-
-
-def test_another_interpreter_has_a_compile_memo_of_its_own(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verify --python: what the tree's interpreter compiled is remembered under its own key
-    (a writing command), so the next verify sends it only the rest; a read-only run and a key
-    that is not a key write nothing."""
-    wrapper = tmp_path / "python"  # another path, so verify treats it as another interpreter
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(memo._STATE, "read_only", False)
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many sources each run of another interpreter was sent (locate._compile_run)."""
     sent: list[int] = []
     real_run = locate._compile_run
 
@@ -144,12 +116,40 @@ def test_another_interpreter_has_a_compile_memo_of_its_own(
         return real_run(python, sources)
 
     monkeypatch.setattr(locate, "_compile_run", counted)
+    return sent
+
+
+def test_another_interpreter_compiles_in_one_run_per_share_with_the_same_verdicts(
+        runs: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --python: the shares run at once, their verdicts merged as one run gives them."""
+    items = _items()
+    whole_version, whole = locate.compile_with(sys.executable, dict(items))
+    assert runs == [len(items)]
+    runs.clear()
+    monkeypatch.setattr(compile_pool, "MIN_BYTES", 0)
+    monkeypatch.setattr(compile_pool, "workers", lambda: 3)
+    version, errors = locate.compile_with(sys.executable, dict(items))
+    assert len(runs) == 3 and sum(runs) == len(items)
+    assert (version, errors) == (whole_version, whole)
+    assert set(errors) == set(BROKEN)
+
+
+def test_another_interpreter_has_a_compile_memo_of_its_own(
+        runs: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --python: what the tree's interpreter compiled is remembered under its own key
+    (a writing command), so the next verify sends it only the rest; a read-only run and a key
+    that is not a key write nothing."""
+    wrapper = tmp_path / "python"  # another path, so verify treats it as another interpreter
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(memo._STATE, "read_only", False)
     sources = dict(_items())
     for _ in range(2):
         who, problems = verify.content_problems(str(wrapper), dict(sources), {})
         assert who.startswith(f"{wrapper} (Python 3.")
         assert {line.split(":")[0] for line in problems} == set(BROKEN)
-    assert sent == [len(sources), len(BROKEN)]  # failures are compiled again, for the message
+    assert runs == [len(sources), len(BROKEN)]  # failures are compiled again, for the message
     key = locate.interpreter_of(str(wrapper))[1]
     assert compile_memo.known_good(key) and (tmp_path / "cache" / "compiled" / f"{key}.json").is_file()
 
