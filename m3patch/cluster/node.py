@@ -35,7 +35,14 @@ from pathlib import Path
 from m3patch.cluster import network
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.fingerprint import node_fingerprint
-from m3patch.cluster.node_plan import NodePlan, node_log, node_port, plan_node, require_topology
+from m3patch.cluster.node_plan import (
+    NodePlan,
+    kv_probe_prompt,
+    node_log,
+    node_port,
+    plan_node,
+    require_topology,
+)
 from m3patch.cluster.shm import ShmTracker
 from m3patch.errors import (
     M3PatchError,
@@ -298,12 +305,13 @@ class NodeRun:
         assert self.supervisor is not None
         decodes = [n for n in self.topo.nodes() if self.topo.role(n.role).kv_arrived]
         deadline = time.monotonic() + self.recipe.deadlines.request_s
+        answered = 0
         for attempt in range(4 * len(decodes)):
             missing = [n for n in decodes if not self._log_has(n)]
             if not missing:
                 return
-            prompt = f"{attempt} " + " ".join(f"m3patch checks that KV moves {k}" for k in range(40))
-            self.supervisor.complete(prompt, self.recipe.deadlines.request_s)
+            answered += self.supervisor.complete(kv_probe_prompt(self.recipe, attempt),
+                                                 self.recipe.deadlines.request_s)
             while time.monotonic() < deadline and [n for n in missing if not self._log_has(n)]:
                 time.sleep(POLL_S)
         missing = [n for n in decodes if not self._log_has(n)]
@@ -311,6 +319,9 @@ class NodeRun:
             lines = ", ".join(f"{n} ({self.topo.role(n.role).kv_arrived!r} not in "
                               f"{node_log(self.run_dir, n)})" for n in missing)
             msg = f"no KV arrived from a prefill node at decode node(s) {lines}"
+            if not answered:
+                msg += (f"; the router answered none of its probe completions (its log: "
+                        f"{node_log(self.run_dir, self.node)})")
             raise MarkerMissing(msg, hint="check the roles' kv-transfer-config (connector, "
                                           f"addresses, ports); then: {self.fix}")
 
