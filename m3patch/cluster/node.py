@@ -68,6 +68,8 @@ WATCH_S = 1.0
 # runner hung, or its host went away without a word) is lost: a node beats between liveness
 # probes, and one probe may take up to request-s.
 SILENT_NODE_S = 60.0
+# past one probe interval: a hung backend's own probe failing, then its record saying exited
+BLAME_GRACE_S = 5.0
 
 
 class NodeRun:
@@ -388,12 +390,27 @@ class NodeRun:
                 if self.supervisor.answers(self.recipe.deadlines.request_s):
                     last_answer = time.monotonic()
                 elif time.monotonic() - last_answer > self.recipe.deadlines.request_s:
-                    msg = (f"node {self.node} is alive but did not complete a 4-token request "
-                           f"for {time.monotonic() - last_answer:.0f} s (liveness probe every "
-                           f"deadlines.probe-s {probe_s:.0f} s)")
-                    raise ServerDied(msg, hint=f"see its log; then: {self.plan_fix}")
+                    raise self._hung(time.monotonic() - last_answer)
                 next_probe = time.monotonic() + probe_s
             time.sleep(WATCH_S)
+
+    def _hung(self, silent_s: float) -> M3PatchError:
+        """This node's liveness probe failed. A request through the P/D router waits on every
+        prefill and decode node, so the router first gives a hung backend one probe interval to
+        name itself (its own probe fails too; NodeLost then names it); only then the router."""
+        probe_s = self.recipe.deadlines.probe_s
+        if self.role.kind == "proxy":
+            end = time.monotonic() + probe_s + BLAME_GRACE_S
+            while time.monotonic() < end:
+                self._raise_if_other_exited(self._records_or_empty())
+                self._beat()
+                time.sleep(WATCH_S)
+        waits_on = {"proxy": " (nor did any prefill or decode node report a hang)",
+                    "dp-head": " (or a headless node it waits on hangs)"}.get(self.role.kind, "")
+        msg = (f"node {self.node} is alive but did not complete a 4-token request for "
+               f"{silent_s:.0f} s (liveness probe every deadlines.probe-s {probe_s:.0f} s)"
+               f"{waits_on}")
+        return ServerDied(msg, hint=f"see its log; then: {self.plan_fix}")
 
     def _stop(self) -> None:
         if self.supervisor is not None:

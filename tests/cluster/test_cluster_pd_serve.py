@@ -2,11 +2,13 @@
 vLLM's own router (vllm-router --vllm-pd-disaggregation), gated on the decode side.
 
 Across three network namespaces (prefill, decode and router each on its own host and address; CI
-runs it, ~95 s here): the set is gated on KV arriving at the decode node (`kv-arrived`), then each
+runs it, ~98 s here): the set is gated on KV arriving at the decode node (`kv-arrived`), then each
 prompt sent from the machine through the router's address answers as the prefill instance asked
 directly (one instance of the same model and args computing the prompt alone: same greedy text,
 logprobs within LOGPROB_TOL), and from KV the decode node received (one `Inject KV cache of N
-tokens` per prompt); a streaming request streams through the router. The router first asks each
+tokens` per prompt); a streaming request streams through the router. Then the decode node hangs
+but stays alive (its engine SIGSTOPped): its liveness probe ends it with 18 within probe-s +
+request-s, the other nodes stop with 26 naming it. The router first asks each
 instance to render the request (`POST /v1/completions/render`: needs `--enable-scale-out`, else
 403), so every prompt must fit the instances' max-model-len: the set's own KV probe once did not
 (1,271 tokens over 512), the render and the prefill answered 400 and the set exited 12.
@@ -82,6 +84,8 @@ def variants(tmp_path: Path, kv_dir: Path, netns: bool = False) -> tuple[Path, P
         kv["kv_connector_extra_config"]["shared_storage_path"] = str(kv_dir)
     data["topology"]["roles"]["decode"]["markers"]["required"][0]["text"] = \
         f"Shared storage path is {kv_dir}"
+    if netns:  # a liveness probe often enough for the hung node below to be caught quickly
+        data["deadlines"].update({"probe-s": PROBE_S, "request-s": REQUEST_S})
     pd = tmp_path / "cpu_tiny_moe_pd.yaml"
     pd.write_text(yaml.safe_dump(data, sort_keys=False))
     if netns:
@@ -191,6 +195,7 @@ def test_prefill_decode_set_answers_like_a_single_instance(
 # ------------------------------------------------------------------ across network namespaces
 
 SET = "set-netns-pd"
+PROBE_S, REQUEST_S = 5, 20  # the netns set's deadlines.probe-s and request-s
 HOSTS = {"prefill": 0, "decode": 1, "proxy": 2}
 PORTS = {"prefill": 8786, "decode": 8787, "proxy": PROXY_PORT}
 
@@ -285,6 +290,7 @@ def test_pd_set_across_namespaces_through_vllm_router(
         assert len(pieces) > 1 and "".join(pieces)
         for role, proc in procs.items():
             assert proc.poll() is None, (role, errs[role].read_text())
+        hung_decode_ends_the_set(bed, run_dir, procs, errs)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -297,3 +303,53 @@ def test_pd_set_across_namespaces_through_vllm_router(
                 proc.wait()
     for pgid in pgids:
         assert group_members(pgid) == [], f"process group {pgid} outlived the set"
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T); a process that is gone counts as not stopped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def hung_decode_ends_the_set(bed: Bed, run_dir: Path, procs: dict[str, subprocess.Popen[str]],
+                             errs: dict[str, Path]) -> None:
+    """The decode node hangs but stays alive: every process of its server except the API server
+    is SIGSTOPped (the engine and its worker), so /health still answers 200 and only a
+    completion shows the hang. Its liveness probe must catch it within one probe interval plus
+    request-s, end it with 18 naming decode/0, and the other nodes must stop with 26 naming it.
+    A process of the test's own on the decode host, outside the set, is never signalled."""
+    records = set_records(run_dir, SET)
+    decode = next(r for r in records.values() if r.role == "decode")
+    assert decode.pgid is not None
+    bystander = bed.popen(1, ["sleep", "600"], start_new_session=True)
+    try:
+        engine = [pid for pid in group_members(decode.pgid) if pid != decode.pgid]
+        assert engine, "the decode server has no engine process to stop"
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        hung = time.monotonic()
+        health = f"http://{bed.address(1)}:{PORTS['decode']}/health"
+        with urllib.request.urlopen(health, timeout=5) as reply:  # the hang /health cannot see
+            assert reply.status == 200
+        bound = PROBE_S + REQUEST_S + 10  # one interval, the probe's own bound, the watch loop
+        while (record := set_records(run_dir, SET)[decode.node]).state != "exited":
+            assert time.monotonic() - hung < bound, errs["decode"].read_text()[-3000:]
+            time.sleep(0.5)
+        caught = time.monotonic() - hung
+        print(f"pd: hung decode caught in {caught:.1f} s (probe-s {PROBE_S}, request-s {REQUEST_S})")
+        for proc in procs.values():
+            proc.wait(timeout=TEARDOWN_S + 60)
+        assert procs["decode"].returncode == 18, errs["decode"].read_text()[-3000:]
+        assert record.exit_code == 18 and "node decode/0 is alive but did not complete" in \
+            record.reason, record
+        for role in ("prefill", "proxy"):
+            assert procs[role].returncode == 26, (role, errs[role].read_text()[-3000:])
+            assert "node decode/0" in errs[role].read_text(), (role, errs[role].read_text())
+        assert bystander.poll() is None and not _stopped(bystander.pid)
+    finally:
+        for pid in group_members(bystander.pid):
+            os.kill(pid, signal.SIGKILL)
+        bystander.wait()
