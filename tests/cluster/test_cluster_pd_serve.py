@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Bed, set_records
+from cluster_helpers import Bed, print_set_memory, set_records
 
 from m3patch.cluster.local_launcher import TEARDOWN_S
 from m3patch.markers import MarkerSpec, check_log_bytes, regex_text
@@ -290,6 +290,7 @@ def test_pd_set_across_namespaces_through_vllm_router(
         assert len(pieces) > 1 and "".join(pieces)
         for role, proc in procs.items():
             assert proc.poll() is None, (role, errs[role].read_text())
+        print_set_memory("pd", set_records(run_dir, SET))
         hung_decode_ends_the_set(bed, run_dir, procs, errs)
     finally:
         for proc in procs.values():
