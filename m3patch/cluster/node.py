@@ -19,7 +19,8 @@ What a Slurm task or a per-host container runs:
    `deadlines.probe-s`: a hung engine keeps /health at 200), and every other node's record: a
    node that exited, or whose record stopped beating, ends this one too (NodeLost, 26), so no
    headless node outlives its head. A headless node has no HTTP; a hung one stalls the head's
-   DP step, so the head's probe catches it.
+   DP step, so the head's probe catches it. The P/D router's probe waits on its backends, so it
+   gives a hung backend one probe interval to fail its own probe and name itself.
 The record says `exited` (with the exit code and reason) however this node ends, and beats
 (`heartbeat`) every few seconds while it runs. Only this set's records are read (set id).
 """

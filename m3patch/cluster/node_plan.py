@@ -16,6 +16,7 @@ backends at the addresses the prefill and decode nodes published.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -158,7 +159,11 @@ def max_model_len(recipe: Recipe, role: Role) -> int | None:
     when neither states one (vLLM then takes the model's, far over the probe)."""
     argv = (*recipe.vllm_args, *role.vllm_args)
     stated = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--max-model-len"]
-    return int(stated[-1]) if stated else None
+    # vLLM also takes '2k' (2,000) and '2K' (2,048); anything else ('auto', -1) is the model's
+    match = re.fullmatch(r"(\d+)([kK]?)", stated[-1].strip()) if stated else None
+    if match is None:
+        return None
+    return int(match[1]) * {"": 1, "k": 1000, "K": 1024}[match[2]]
 
 
 def kv_probe_prompt(recipe: Recipe, attempt: int) -> str:

@@ -159,8 +159,10 @@ def test_the_kv_probe_fits_the_instances_max_model_len(tmp_path: Path) -> None:
     data = yaml.safe_load(pd.read_text())
     data["topology"]["roles"]["decode"]["vllm-args"]["max-model-len"] = 300
     assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 300 - 16
-    del data["vllm-args"]["max-model-len"], data["topology"]["roles"]["decode"]["vllm-args"][
-        "max-model-len"]
+    del data["topology"]["roles"]["decode"]["vllm-args"]["max-model-len"]
+    data["vllm-args"]["max-model-len"] = "1k"  # vLLM's 1,000
+    assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 1000 - 16
+    del data["vllm-args"]["max-model-len"]
     assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 1200
 
 
