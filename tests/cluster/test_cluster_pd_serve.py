@@ -19,7 +19,8 @@ single plain instance started beside it:
 Three prompts of two or more whole KV blocks (ExampleConnector stores and loads whole blocks of
 32 tokens, and keys them by the prompt's tokens) go through the proxy and to a plain instance of
 the same model, args and series, started beside the set. At temperature 0 the text must be
-equal and every token's logprob within LOGPROB_TOL (measured here: 0.0 through the former proxy, 2.8e-17 through vllm-router). The decode log must
+equal and every token's logprob within LOGPROB_TOL (measured here: 0.0 through the former
+proxy, 2.8e-17 through vllm-router). The decode log must
 show one `Inject KV cache of N tokens` per prompt, N the prompt's whole blocks before its last
 token: the answers came from KV the decode instance received, not from a recompute. The set
 must still be serving afterwards: the decode role forbids the line ExampleConnector prints when
