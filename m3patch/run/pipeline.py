@@ -54,7 +54,7 @@ from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.output import info, table
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree
-from m3patch.recipe.agentic import KvOffload
+from m3patch.recipe.agentic import AGENTIC_CODING, KvOffload
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -149,7 +149,10 @@ def show_scores(name: str, run_dir: Path, *, after_sweep: bool) -> None:
     them; a failed gate stops the run before any sweep)."""
     if after_sweep and (run_dir / AGGREGATE_JSON).is_file():
         aggregate = attach_evals(run_dir)
-        print_results(aggregate["rows"], f"{name}: results and accuracy", aggregate[EVALS])
+        rows = aggregate["rows"]
+        kind = ("agentic-coding results (AIPerf)" if rows and all(
+            r.get("scenario_type") == AGENTIC_CODING for r in rows) else "per-GPU results")
+        print_results(rows, f"{name}: {kind}", aggregate[EVALS])
         return
     path = record_path(run_dir)
     if path is not None:
@@ -450,10 +453,15 @@ class RunPipeline:
             target = self.server.target
             provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)
             endpoint = Endpoint(target.base_url, target.served_model, plan.recipe.deadlines.request_s)
+            after_sweep = self._evaluates_after_sweep()
             try:
                 outcome = evaluate(plan.recipe.eval, plan.run_dir, endpoint,
                                    check_server=self.server.check, provenance=provenance)
-            finally:
-                show_scores(plan.recipe.name, plan.run_dir,
-                            after_sweep=self._evaluates_after_sweep())
+            except BaseException:
+                # The gate's own failure is the run's answer: a table that cannot be shown
+                # (an aggregate made unreadable meanwhile) must not replace it.
+                with contextlib.suppress(ResultsInvalid):
+                    show_scores(plan.recipe.name, plan.run_dir, after_sweep=after_sweep)
+                raise
+            show_scores(plan.recipe.name, plan.run_dir, after_sweep=after_sweep)
         return StepDone(outcome.summary(), (f"{EVAL_DIR}/eval.json",))

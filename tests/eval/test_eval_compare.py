@@ -168,3 +168,22 @@ def test_bench_compare_reads_the_scores_the_aggregate_carries(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["compare"]["accuracy"] == [
         {"task": "tiny_arith", "metric": "exact_match,strict-match", "base": 0.5, "new": 0.75}]
+
+
+def test_after_the_sweep_the_results_table_prints_once_with_the_scores(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from m3patch.run.pipeline import show_scores
+
+    run = gated_run(tmp_path, "base", 0.125)
+    show_scores("cpu_tiny_moe", run, after_sweep=True)
+    out = capsys.readouterr().out
+    assert out.count("cpu_tiny_moe: per-GPU results") == 1 and "Accuracy" in out
+    assert "tiny_arith 0.1250 (min 0) ok" in out  # the recorded verdict, as the gate gave it
+    assert json.loads((run / "aggregate.json").read_text())["evals"][0]["score"] == 0.125
+    # before the sweep (or with no aggregate yet): the scores alone, the aggregate untouched
+    before = gated_run(tmp_path / "b", "new", 0.5)
+    kept = (before / "aggregate.json").read_bytes()
+    show_scores("cpu_tiny_moe", before, after_sweep=False)
+    out = capsys.readouterr().out
+    assert "cpu_tiny_moe: accuracy" in out and "per-GPU" not in out
+    assert (before / "aggregate.json").read_bytes() == kept
