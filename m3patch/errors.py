@@ -38,6 +38,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 34   | UnsafeState           | a state folder is a symlink, not a folder, or another user's   |
 | 35   | FileNameEncoding      | a patch path this locale's file-system encoding cannot name    |
 | 37   | WaiverIncomplete      | `series waiver`: a series entry lacks why, upstream or drop-when |
+| 40   | AgenticTraceError     | `aiperf synthesize agentic-code` failed, or its trace (fresh or cached) is not a valid Mooncake trace |
 | 70   | InternalError         | a bug in m3patch (traceback in the crash log)                  |
 | 130  | Interrupted           | SIGINT/SIGTERM (SIGHUP/SIGQUIT where not ignored)             |
 | 141  | -                     | stdout closed by its reader (errors_handler: 128 + SIGPIPE)    |
@@ -198,6 +199,13 @@ class AgenticClientError(M3PatchError):
     exit_code = 31
 
 
+class AgenticTraceError(M3PatchError):
+    """The agentic trace a recipe synthesizes cannot be made: the manifest is unreadable, AIPerf's
+    `synthesize agentic-code` failed or overran, or what it wrote is not a valid Mooncake trace."""
+
+    exit_code = 40
+
+
 class KvOffloadError(M3PatchError):
     """The recipe's KV-offload tier cannot serve: LMCache is not installed at the pinned version,
     or one of its per-rank servers exited or missed its health deadline."""
@@ -239,5 +247,5 @@ ALL_ERRORS: tuple[type[M3PatchError], ...] = (
     BenchFailed, RunDeadline, ChangelogInvalid, ResultsInvalid, ServerDied, ModelMissing,
     EvalFailed, EvalError, PortConflict, MarkerUnprintable, LaunchRejected, NodeMismatch,
     NodeLost, NodeAddress, RunDirBusy, OutputFailed, UnsafeState, FileNameEncoding,
-    WaiverIncomplete, Interrupted,
+    WaiverIncomplete, Interrupted, AgenticClientError, KvOffloadError, AgenticTraceError,
 )

@@ -175,41 +175,50 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
 
 
-def replace_atomic(path: Path, data: bytes, mode: int = DEFAULT_MODE) -> None:
-    """New file + rename + folder fsync; raises OSError and leaves no temp file behind."""
+def replace_atomic(path: Path, data: bytes, mode: int = DEFAULT_MODE, *,
+                   durable: bool = True) -> None:
+    """New file + rename + folder fsync; raises OSError and leaves no temp file behind.
+    `durable=False` (a cache: a lost or torn entry is only recomputed, as every reader
+    validates it) skips both fsyncs; a reader still never sees half a file."""
     tmp = temp_path(path)
     try:
-        write_new(tmp, data, mode)
+        write_new(tmp, data, mode, sync=durable)
         tmp.replace(path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_bytes_atomic(path: Path, data: bytes, *, error: type[M3PatchError] = TreeIOError) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, error: type[M3PatchError] = TreeIOError,
+                       durable: bool = True) -> None:
     """`replace_atomic`, creating the folder; an OSError becomes one `error` naming the path."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomic(path, data)
+        replace_atomic(path, data, durable=durable)
     except OSError as exc:
         msg = f"cannot write {path}: {exc.strerror or exc}"
         raise error(msg, hint=f"check that {path.parent} is writable and has free space") from None
 
 
-def json_bytes(data: object, *, indent: int = 2, sort_keys: bool = False) -> bytes:
-    """Strict JSON (NaN/Infinity refused) with a trailing newline."""
+def json_bytes(data: object, *, indent: int | None = 2, sort_keys: bool = False) -> bytes:
+    """Strict JSON (NaN/Infinity refused) with a trailing newline; `indent=None`: one line,
+    by json's C encoder (any indent runs the pure-Python one, ten times slower on a big memo)."""
     text = json.dumps(data, indent=indent, sort_keys=sort_keys, allow_nan=False)
     return (text + "\n").encode("utf-8")
 
 
-def write_json_atomic(path: Path, data: object, *, indent: int = 2, sort_keys: bool = False,
-                      error: type[M3PatchError] = TreeIOError) -> None:
-    write_bytes_atomic(path, json_bytes(data, indent=indent, sort_keys=sort_keys), error=error)
+def write_json_atomic(path: Path, data: object, *, indent: int | None = 2,
+                      sort_keys: bool = False, error: type[M3PatchError] = TreeIOError,
+                      durable: bool = True) -> None:
+    write_bytes_atomic(path, json_bytes(data, indent=indent, sort_keys=sort_keys), error=error,
+                       durable=durable)
 
 
-def write_cache_json(root: Path, path: Path, data: object, *, indent: int = 2) -> None:
+def write_cache_json(root: Path, path: Path, data: object, *, indent: int | None = 2,
+                     durable: bool = True) -> None:
     """A cache entry at `path` below m3patch's cache `root`: the root and every folder down to
     the entry's are real folders this user owns (made when missing), never a link a planted
     cache folder would carry the write through; then `write_json_atomic`. Raises UnsafeState
@@ -220,7 +229,7 @@ def write_cache_json(root: Path, path: Path, data: object, *, indent: int = 2) -
         msg = f"{root}: cannot create the cache folder: {exc.strerror or exc}"
         raise TreeIOError(msg, hint=f"check that {root.parent} is writable") from None
     owned_dirs(owned_dir(root), path.parent)
-    write_json_atomic(path, data, indent=indent)
+    write_json_atomic(path, data, indent=indent, durable=durable)
 
 
 def _reject_constant(name: str) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.recipe.topology import NodeId
+from m3patch.serving.processes import group_members
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "testbed" / "netns_testbed.sh"
@@ -31,6 +32,30 @@ def set_records(run_dir: Path, set_id: str | None = None) -> dict[NodeId, rv.Nod
         role, _, rank = path.stem.rpartition("-")
         nodes.append(NodeId(role, int(rank)))
     return rv.read_records(run_dir, set_id, tuple(nodes))
+
+
+def _rollup_kib(pid: int) -> tuple[int, int]:
+    """RSS and PSS of one process in KiB (0, 0 when it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in lines[1:] if ":" in line}
+    return fields.get("Rss", 0), fields.get("Pss", 0)
+
+
+def print_set_memory(label: str, records: dict[NodeId, rv.NodeRecord]) -> None:
+    """Measure, don't assert: each node's memory (its runner `m3patch serve` plus every process
+    of the group it started), RSS summed (pages shared between processes counted in each) and
+    PSS (shared pages split), printed for docs/multi-node.md (`pytest -s`)."""
+    total_rss = total_pss = 0
+    for node, record in sorted(records.items(), key=lambda item: str(item[0])):
+        pids = [record.pid, *(group_members(record.pgid) if record.pgid else [])]
+        rss, pss = map(sum, zip(*(_rollup_kib(pid) for pid in pids), strict=True))
+        total_rss, total_pss = total_rss + rss, total_pss + pss
+        print(f"{label} memory: {node} {len(pids)} processes, RSS {rss / 1024:.0f} MiB, "
+              f"PSS {pss / 1024:.0f} MiB")
+    print(f"{label} memory: the set, RSS {total_rss / 1024:.0f} MiB, PSS {total_pss / 1024:.0f} MiB")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from m3patch.bench.results import (
     write_result,
 )
 from m3patch.errors import ResultsInvalid
+from m3patch.eval.compare import EVALS, EvalRow, accuracy_cell, check_evals, evals_of_run
 from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.recipe.agentic import AGENTIC_CODING
 from m3patch.recipe.lengths import CONVENTIONS
@@ -215,11 +216,19 @@ def agentic_result_cells(row: dict[str, Any]) -> list[Any]:
             f"{row.get('num_requests_successful')}/{row.get('num_requests_total')}"]
 
 
-def table_of(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """The results table's columns and lines for a run's rows (either scenario)."""
+def table_of(rows: Sequence[dict[str, Any]], evals: Sequence[EvalRow] = ()
+             ) -> tuple[list[str], list[list[Any]]]:
+    """The results table's columns and lines for a run's rows (either scenario). With the run's
+    eval rows, an Accuracy column: the run's one server answered both, so every line carries the
+    same scores against their floors."""
     if rows and all(row.get("scenario_type") == AGENTIC_CODING for row in rows):
-        return AGENTIC_RESULT_COLUMNS, [agentic_result_cells(r) for r in rows]
-    return RESULT_COLUMNS, [result_cells(r) for r in rows]
+        columns, lines = AGENTIC_RESULT_COLUMNS, [agentic_result_cells(r) for r in rows]
+    else:
+        columns, lines = RESULT_COLUMNS, [result_cells(r) for r in rows]
+    if not evals:
+        return columns, lines
+    cell = accuracy_cell(evals)
+    return [*columns, "Accuracy"], [[*line, cell] for line in lines]
 
 
 RESULT_COLUMNS = ["parallelism", "isl/osl", "conc", "tok/s/GPU", "out tok/s/GPU", "TTFT p50 ms",
@@ -273,12 +282,25 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 def write_aggregate(
     run_dir: Path, meta: dict[str, Any], cell_ids: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
-    """aggregate.json (meta + rows) and aggregate.csv (rows) from the run's per-cell files."""
+    """aggregate.json (meta, the eval's scores, rows) and aggregate.csv (rows) from the run's
+    per-cell files and its eval/eval.json."""
     rows = rows_of_run(run_dir, cell_ids)
-    write_result(run_dir / AGGREGATE_JSON,
-                      {"schema": AGGREGATE_SCHEMA, **meta, "rows": rows})
+    write_result(run_dir / AGGREGATE_JSON, {"schema": AGGREGATE_SCHEMA, **meta,
+                                            EVALS: evals_of_run(run_dir), "rows": rows})
     write_bytes_atomic(run_dir / AGGREGATE_CSV, csv_text(rows).encode("utf-8"), error=ResultsInvalid)
     return rows
+
+
+def attach_evals(run_dir: Path) -> dict[str, Any]:
+    """aggregate.json again with the eval that ran after the sweep: its rows as they were, its
+    `evals` from eval/eval.json. Returns the aggregate as load_aggregate reads it."""
+    file = run_dir / AGGREGATE_JSON
+    load_aggregate(file)  # the rows written back must be valid ones
+    raw = read_json_object(file)
+    evals = evals_of_run(run_dir)
+    head = {key: value for key, value in raw.items() if key not in (EVALS, "rows")}
+    write_result(file, {**head, EVALS: evals, "rows": raw["rows"]})
+    return load_aggregate(file)
 
 
 def load_aggregate(path: Path) -> dict[str, Any]:
@@ -299,6 +321,8 @@ def load_aggregate(path: Path) -> dict[str, Any]:
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows:
         raise invalid(file, "rows", "missing or empty")
+    if EVALS in data:  # aggregates written before the scores were kept have none
+        data[EVALS] = check_evals(data[EVALS], str(file), FIX_HINT)
     for index, row in enumerate(rows):
         rows[index] = row = _own_flags(row) if isinstance(row, dict) else row
         _check_row(row, f"rows[{index}]", file)

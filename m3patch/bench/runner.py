@@ -32,6 +32,7 @@ from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.bench.results import finished_cell
 from m3patch.bench.sweep import SweepOutcome, SweepSettings, print_results, run_sweep
 from m3patch.errors import ResultsInvalid, UsageError
+from m3patch.eval.compare import evals_of_run
 from m3patch.output import info, warn
 from m3patch.recipe.loader import Recipe
 
@@ -72,8 +73,13 @@ def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[
 def sweep_session(
     recipe: Recipe, python: str, target: BenchTarget, settings: SweepSettings,
     cells: Sequence[AnyCell], check_server: Callable[[], None], *, server: str = spec.SESSION_SERVER,
-    server_warnings: Sequence[dict[str, object]] = (),
+    server_warnings: Sequence[dict[str, object]] = (), show_table: bool = True,
 ) -> SweepOutcome:
+    """show_table=False: the run's eval follows the sweep and prints the results table with its
+    scores beside the rows, once."""
+    def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
+        if show_table:
+            print_results(rows, title, evals_of_run(settings.run_dir))
     provenance = spec.provenance(recipe, python, server)
     # `warn` markers the server logged by readiness: reported beside every number they touch.
     provenance["server_warnings"] = list(server_warnings)
@@ -84,11 +90,11 @@ def sweep_session(
             [c for c in cells if isinstance(c, AgenticCell)], recipe.sweep.agentic, agentic,
             settings, provenance=provenance, meta=meta,
             deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell),
-            check_server=check_server, print_rows=print_results)
+            check_server=check_server, print_rows=print_rows)
     return run_sweep(
         [c for c in cells if isinstance(c, Cell)], target, settings, provenance=provenance,
         meta=meta, deadline_for=lambda cell: spec.cell_deadline_s(recipe, cell),
-        check_server=check_server,
+        check_server=check_server, print_rows=print_rows,
     )
 
 
@@ -115,16 +121,19 @@ def reaggregate(recipe: Recipe, run_dir: Path, cells: Sequence[AnyCell], *,
     info(note or f"every cell already has a valid result; aggregated {run_dir} without a server")
 
 
-def all_finished(run_dir: Path, cells: Sequence[AnyCell], gated: str | None = None) -> bool:
-    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated)
-               for cell in cells)
+def all_finished(run_dir: Path, cells: Sequence[AnyCell], gated: str | None = None,
+                 trace_key: str | None = None) -> bool:
+    return all(cell_finished(run_dir / CELLS_DIR / f"{cell.cell_id}.json", cell, gated,
+                             trace_key) for cell in cells)
 
 
-def cell_finished(path: Path, cell: AnyCell, gated: str | None = None) -> bool:
+def cell_finished(path: Path, cell: AnyCell, gated: str | None = None,
+                  trace_key: str | None = None) -> bool:
     """For --resume: a valid, complete file for exactly this cell (either scenario); with
-    `gated`, a fixed-length cell only when measured on a gated server of that recipe hash."""
+    `gated`, a fixed-length cell only when measured on a gated server of that recipe hash;
+    with `trace_key`, an agentic cell only when it replayed that synthesized trace."""
     if isinstance(cell, AgenticCell):
-        return agentic_finished(path, cell)
+        return agentic_finished(path, cell, trace_key)
     return finished_cell(path, cell, gated)
 
 

@@ -23,6 +23,7 @@ from m3patch.bench.cells import Cell
 from m3patch.bench.chat_prompts import write_prompts
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
+from m3patch.eval.compare import EvalRow, evals_of_run
 from m3patch.output import info, progress, table
 
 RAW_DIR = "raw"
@@ -71,6 +72,7 @@ def run_sweep(
     meta: dict[str, Any],
     deadline_for: Callable[[Cell], float],
     check_server: Callable[[], None],
+    print_rows: Callable[[Sequence[dict[str, Any]], str], None] | None = None,
 ) -> SweepOutcome:
     prepare_run_dir(settings)
     measured, skipped = [], []
@@ -87,14 +89,20 @@ def run_sweep(
             advance(cell.cell_id)
     # Only this plan's cells: a resumed folder may hold cells of an earlier, wider plan.
     rows = write_aggregate(settings.run_dir, meta, [cell.cell_id for cell in cells])
-    print_results(rows, f"{meta.get('recipe_name', 'sweep')}: per-GPU results")
+    title = f"{meta.get('recipe_name', 'sweep')}: per-GPU results"
+    if print_rows is None:
+        print_results(rows, title, evals_of_run(settings.run_dir))
+    else:
+        print_rows(rows, title)
     info(f"{len(measured)} cell(s) measured, {len(skipped)} kept; results in {settings.run_dir}")
     return SweepOutcome(tuple(measured), tuple(skipped), tuple(rows))
 
 
-def print_results(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """The table users read first: InferenceX's per-GPU throughput and latency per cell."""
-    columns, lines = table_of(rows)
+def print_results(rows: Sequence[dict[str, Any]], title: str,
+                  evals: Sequence[EvalRow] = ()) -> None:
+    """The table users read first: InferenceX's per-GPU throughput and latency per cell, and the
+    run's accuracy scores beside them when its eval has run."""
+    columns, lines = table_of(rows, evals)
     table(title, columns, lines)
 
 

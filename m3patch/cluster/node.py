@@ -19,7 +19,8 @@ What a Slurm task or a per-host container runs:
    `deadlines.probe-s`: a hung engine keeps /health at 200), and every other node's record: a
    node that exited, or whose record stopped beating, ends this one too (NodeLost, 26), so no
    headless node outlives its head. A headless node has no HTTP; a hung one stalls the head's
-   DP step, so the head's probe catches it.
+   DP step, so the head's probe catches it. The P/D router's probe waits on its backends, so it
+   gives a hung backend one probe interval to fail its own probe and name itself.
 The record says `exited` (with the exit code and reason) however this node ends, and beats
 (`heartbeat`) every few seconds while it runs. Only this set's records are read (set id).
 """
@@ -35,7 +36,14 @@ from pathlib import Path
 from m3patch.cluster import network
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.fingerprint import node_fingerprint
-from m3patch.cluster.node_plan import NodePlan, node_log, node_port, plan_node, require_topology
+from m3patch.cluster.node_plan import (
+    NodePlan,
+    kv_probe_prompt,
+    node_log,
+    node_port,
+    plan_node,
+    require_topology,
+)
 from m3patch.cluster.shm import ShmTracker
 from m3patch.errors import (
     M3PatchError,
@@ -61,6 +69,8 @@ WATCH_S = 1.0
 # runner hung, or its host went away without a word) is lost: a node beats between liveness
 # probes, and one probe may take up to request-s.
 SILENT_NODE_S = 60.0
+# past one probe interval: a hung backend's own probe failing, then its record saying exited
+BLAME_GRACE_S = 5.0
 
 
 class NodeRun:
@@ -303,12 +313,13 @@ class NodeRun:
         assert self.supervisor is not None
         decodes = [n for n in self.topo.nodes() if self.topo.role(n.role).kv_arrived]
         deadline = time.monotonic() + self.recipe.deadlines.request_s
+        answered = 0
         for attempt in range(4 * len(decodes)):
             missing = [n for n in decodes if not self._log_has(n)]
             if not missing:
                 return
-            prompt = f"{attempt} " + " ".join(f"m3patch checks that KV moves {k}" for k in range(40))
-            self.supervisor.complete(prompt, self.recipe.deadlines.request_s)
+            answered += self.supervisor.complete(kv_probe_prompt(self.recipe, attempt),
+                                                 self.recipe.deadlines.request_s)
             while time.monotonic() < deadline and [n for n in missing if not self._log_has(n)]:
                 time.sleep(POLL_S)
         missing = [n for n in decodes if not self._log_has(n)]
@@ -316,6 +327,9 @@ class NodeRun:
             lines = ", ".join(f"{n} ({self.topo.role(n.role).kv_arrived!r} not in "
                               f"{node_log(self.run_dir, n)})" for n in missing)
             msg = f"no KV arrived from a prefill node at decode node(s) {lines}"
+            if not answered:
+                msg += (f"; the router answered none of its probe completions (its log: "
+                        f"{node_log(self.run_dir, self.node)})")
             raise MarkerMissing(msg, hint="check the roles' kv-transfer-config (connector, "
                                           f"addresses, ports); then: {self.fix}")
 
@@ -382,12 +396,27 @@ class NodeRun:
                 if self.supervisor.answers(self.recipe.deadlines.request_s):
                     last_answer = time.monotonic()
                 elif time.monotonic() - last_answer > self.recipe.deadlines.request_s:
-                    msg = (f"node {self.node} is alive but did not complete a 4-token request "
-                           f"for {time.monotonic() - last_answer:.0f} s (liveness probe every "
-                           f"deadlines.probe-s {probe_s:.0f} s)")
-                    raise ServerDied(msg, hint=f"see its log; then: {self.plan_fix}")
+                    raise self._hung(time.monotonic() - last_answer)
                 next_probe = time.monotonic() + probe_s
             time.sleep(WATCH_S)
+
+    def _hung(self, silent_s: float) -> M3PatchError:
+        """This node's liveness probe failed. A request through the P/D router waits on every
+        prefill and decode node, so the router first gives a hung backend one probe interval to
+        name itself (its own probe fails too; NodeLost then names it); only then the router."""
+        probe_s = self.recipe.deadlines.probe_s
+        if self.role.kind == "proxy":
+            end = time.monotonic() + probe_s + BLAME_GRACE_S
+            while time.monotonic() < end:
+                self._raise_if_other_exited(self._records_or_empty())
+                self._beat()
+                time.sleep(WATCH_S)
+        waits_on = {"proxy": " (nor did any prefill or decode node report a hang)",
+                    "dp-head": " (or a headless node it waits on hangs)"}.get(self.role.kind, "")
+        msg = (f"node {self.node} is alive but did not complete a 4-token request for "
+               f"{silent_s:.0f} s (liveness probe every deadlines.probe-s {probe_s:.0f} s)"
+               f"{waits_on}")
+        return ServerDied(msg, hint=f"see its log; then: {self.plan_fix}")
 
     def _stop(self) -> None:
         if self.supervisor is not None:

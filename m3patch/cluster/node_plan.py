@@ -16,6 +16,7 @@ backends at the addresses the prefill and decode nodes published.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,11 @@ from m3patch.recipe.topology import ROUTER_CONNECTORS, NodeId, Role, Topology, n
 from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
 
 ROUTER_LOG_LEVEL = "info"
+# The KV probe's prompt: long enough for several KV blocks, and never over the instances'
+# max-model-len. Every tokenizer the recipes use spends at least one character of plain ASCII
+# per token; the slack covers BOS/special tokens and the probe's own 4 output tokens.
+KV_PROBE_CHARS = 1200
+KV_PROBE_SLACK = 16
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,30 @@ def _proxy_plan(recipe: Recipe, port: int, log_path: Path, net: NodeNetwork,
                       request_deadline_s=recipe.deadlines.request_s,
                       fix_hint=f"m3patch serve {recipe.path} --role {role.name} --rank 0")
     return LaunchPlan(spec, overrides, (), spec.fix_hint)
+
+
+def max_model_len(recipe: Recipe, role: Role) -> int | None:
+    """The max-model-len a role's instances start with (the role's own over the recipe's); None
+    when neither states one (vLLM then takes the model's, far over the probe)."""
+    argv = (*recipe.vllm_args, *role.vllm_args)
+    stated = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--max-model-len"]
+    # vLLM also takes '2k' (2,000) and '2K' (2,048); anything else ('auto', -1) is the model's
+    match = re.fullmatch(r"(\d+)([kK]?)", stated[-1].strip()) if stated else None
+    if match is None:
+        return None
+    return int(match[1]) * {"": 1, "k": 1000, "K": 1024}[match[2]]
+
+
+def kv_probe_prompt(recipe: Recipe, attempt: int) -> str:
+    """The P/D set's KV probe: a fresh prompt per attempt (ExampleConnector keys stored KV by the
+    prompt), as long as the shortest prefill/decode max-model-len allows. A longer one is refused
+    by the router's render call and by the prefill instance (HTTP 400), and no KV ever moves."""
+    topo = require_topology(recipe)
+    limits = [n for r in topo.roles if r.kind in ("prefill", "decode")
+              if (n := max_model_len(recipe, r)) is not None]
+    chars = min([KV_PROBE_CHARS, *(n - KV_PROBE_SLACK for n in limits)])
+    words = " ".join(f"m3patch checks that KV moves {k}" for k in range(chars // 20 + 1))
+    return f"{attempt} {words}"[:chars]
 
 
 def plan_set(recipe: Recipe, python: str, run_dir: Path) -> tuple[NodePlan, ...]:

@@ -119,13 +119,22 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(msg, hint="re-run with --resume to keep the finished cells")
 
 
-def _scores(base: Path, new: Path) -> tuple[eval_compare.Scores, eval_compare.Scores] | None:
-    """Each run's eval/eval.json scores, None when neither run recorded an eval."""
-    paths = eval_compare.record_path(base), eval_compare.record_path(new)
-    if paths == (None, None):
+def _scores(sides: tuple[tuple[Path, dict[str, Any]], ...]
+            ) -> tuple[eval_compare.Scores, eval_compare.Scores] | None:
+    """Each run's scores: its aggregate's `evals` (checked when it was loaded), else the
+    eval/eval.json beside it (an aggregate written before it kept them, or an eval run on its
+    own after the sweep); None when neither run has scores."""
+    found: list[eval_compare.Scores | None] = []
+    for path, aggregate in sides:
+        rows = aggregate.get(eval_compare.EVALS)
+        record = eval_compare.record_path(path)
+        if rows:
+            found.append(eval_compare.scores_of(rows))
+        else:
+            found.append(eval_compare.read_scores(record) if record else None)
+    if found == [None, None]:
         return None
-    base_s, new_s = (eval_compare.read_scores(p) if p else {} for p in paths)
-    return base_s, new_s
+    return found[0] or {}, found[1] or {}
 
 
 def _accuracy(scores: tuple[eval_compare.Scores, eval_compare.Scores] | None) -> dict[str, object]:
@@ -149,15 +158,17 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     if args.changelog_entry:
         return _changelog_entry(base_agg, new_agg, new)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
+    scores = _scores(((base, base_agg), (new, new_agg)))
     if fields is not None:  # stdout is the object's alone: no tables
         fields.update(compare={"base": str(base), "new": str(new), "metric": args.metric,
-                               **cmp.to_json(result)})
+                               **cmp.to_json(result),
+                               **({} if scores is None else
+                                  {"accuracy": eval_compare.to_json(*scores)})})
         _refuse_empty(result, base, new)
         _plots(base_agg, new_agg, args)
         report_json.finish(fields)
         return 0
     label = cmp.METRIC_LABELS[args.metric]
-    scores = _scores(base, new)
     headers, rows = ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"], cmp.table_rows(result)
     if scores is not None:  # one run's accuracy holds for every cell: its change on each row
         headers, change = [*headers, "Accuracy"], eval_compare.change_cell(*scores)

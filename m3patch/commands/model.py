@@ -19,10 +19,11 @@ import os
 from pathlib import Path
 
 from m3patch.bench.agentic.preflight import fetch_trace, require_trace, trace_missing
+from m3patch.bench.agentic.synthesize import cache_state, synthesized
 from m3patch.eval import datasets
 from m3patch.output import info, table
 from m3patch.recipe import model_files
-from m3patch.recipe.agentic import AgenticScenario
+from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario
 from m3patch.recipe.evals import EvalSpec
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
@@ -69,11 +70,31 @@ def _trace(scenario: AgenticScenario, path: Path, *, fetch: bool) -> None:
     trace = scenario.trace
     if fetch and trace.kind == "public-dataset" and trace_missing(trace) is not None:
         info(f"trace dataset fetched: {fetch_trace(trace, scenario.client_python)}")
+    if trace.kind == AGENTIC_CODE:
+        _agentic_code(scenario, path, fetch=fetch)
+        return
     problem = trace_missing(trace)
     table("agentic trace", ["source", "state"],
           [[trace.dataset or str(trace.path or trace.label), problem or "present"]])
     require_trace(trace, path)
     info(f"{path}: agentic trace {trace.label} present; the offline replay can load it")
+
+
+def _agentic_code(scenario: AgenticScenario, path: Path, *, fetch: bool) -> None:
+    """fetch: synthesized into the cache (or its entry checked); check: the manifest on disk and
+    whether the cache holds the synthesis (a run makes it before any server starts)."""
+    trace = scenario.trace
+    require_trace(trace, path)
+    if fetch:
+        made = synthesized(trace, scenario.client_python)
+        state = (f"synthesized: {made.summary.sessions} sessions, {made.summary.rows} turns, "
+                 f"sha256 {made.sha256[:16]}")
+        where = str(made.cached)
+    else:
+        cached, problem = cache_state(trace)
+        where, state = str(cached), problem or "cached, valid"
+    table("agentic trace", ["source", "cache entry", "state"], [[trace.label, where, state]])
+    info(f"{path}: agentic-code manifest {trace.manifest} present")
 
 
 def _eval_datasets(spec: EvalSpec, path: Path, *, fetch: bool) -> None:

@@ -1,12 +1,21 @@
-"""Accuracy beside throughput: the eval record's scores as table rows, one run or two (pure).
+"""Accuracy beside throughput: the eval record's scores as rows of the run's aggregate.json, as
+the results table's Accuracy column, and as `bench compare`'s score change (pure but for the read).
 
-A run folder's `eval/eval.json` (eval.runner) is read back as hostile input; a run without one
-simply has no scores (not every recipe declares a gate), a malformed one is ResultsInvalid.
+aggregate.json's `evals` holds one row per task, named as InferenceX's eval rows name them
+(utils/collect_eval_results.py: `task`, `score`, `score_name` such as em_strict, `score_se`,
+`n_eff`), with the gate's own figures beside them: `metric` (lm-eval's METRIC,FILTER), `min`
+(the floor), `baseline`, `max_drop`, `drop` (baseline - score) and `passed`. A run without an
+eval has `evals: []`; an aggregate written before the field existed has no `evals` key, and its
+scores are read from `eval/eval.json` beside it.
+
+A run folder's `eval/eval.json` (eval.runner) and an aggregate's `evals` are read back as
+hostile input: a malformed one is ResultsInvalid, naming the key.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +23,10 @@ from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json
 
 RECORD = Path("eval") / "eval.json"
+EVALS = "evals"  # aggregate.json's key
 HINT = "rerun the eval (m3patch eval RECIPE --run-dir RUN) to rewrite eval/eval.json"
 Scores = dict[tuple[str, str], tuple[float, int, bool]]  # (task, metric) -> score, samples, passed
+EvalRow = dict[str, Any]
 
 
 def record_path(run: Path) -> Path | None:
@@ -25,30 +36,107 @@ def record_path(run: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def read_scores(path: Path) -> Scores:
+def score_name(metric: str) -> str:
+    """InferenceX's name for a score: em_strict / em_flexible for exact match under a strict or
+    a flexible filter, accuracy for acc, else lm-eval's metric name."""
+    name, _, filt = metric.partition(",")
+    if name == "exact_match" and "strict" in filt:
+        return "em_strict"
+    if name == "exact_match" and ("flex" in filt or "extract" in filt):
+        return "em_flexible"
+    return "accuracy" if name == "acc" else name
+
+
+def _finite(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
+
+
+def _bad(where: str, key: str, problem: str, hint: str) -> ResultsInvalid:
+    return ResultsInvalid(f"{where}: key {key!r}: {problem}", hint=hint)
+
+
+def eval_row(task: object, where: str, hint: str = HINT) -> EvalRow:
+    """One aggregate eval row from an eval.json task object, checked field by field."""
+    if not isinstance(task, dict):
+        raise _bad(where, "tasks[]", "expected an object", hint)
+    for key in ("task", "metric"):
+        if not isinstance(task.get(key), str) or not task[key]:
+            raise _bad(where, key, f"expected a name, got {task.get(key)!r}", hint)
+    score: Any = task.get("score")
+    samples = task.get("samples")
+    if not _finite(score):
+        raise _bad(where, "score", f"expected a finite score, got {score!r}", hint)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise _bad(where, "samples", f"expected a positive sample count, got {samples!r}", hint)
+    extra: dict[str, Any] = {"score_se": task.get("stderr"), "min": task.get("min"),
+             "baseline": task.get("baseline"), "max_drop": task.get("max_drop")}
+    for key, value in extra.items():
+        if value is not None and not _finite(value):
+            raise _bad(where, key, f"expected a finite number or null, got {value!r}", hint)
+    base = extra["baseline"]
+    return {"task": task["task"], "metric": task["metric"], "score_name": score_name(task["metric"]),
+            "score": float(score), "n_eff": samples, **extra,
+            "drop": None if base is None else float(base) - float(score),
+            "passed": task.get("passed") is True}
+
+
+def read_evals(path: Path) -> list[EvalRow]:
+    """The aggregate's eval rows from a run's eval/eval.json."""
     data = read_json(path, error=ResultsInvalid, hint=HINT, expect=dict)
     tasks = data.get("tasks")
     if not isinstance(tasks, list):
-        msg = f"{path}: 'tasks' is not a list"
-        raise ResultsInvalid(msg, hint=HINT)
-    scores: Scores = {}
-    for row in tasks:
-        score = row.get("score") if isinstance(row, dict) else None
-        samples = row.get("samples") if isinstance(row, dict) else None
-        if (not isinstance(row, dict) or not isinstance(row.get("task"), str)
-                or not isinstance(row.get("metric"), str) or isinstance(score, bool)
-                or not isinstance(score, (int, float)) or not math.isfinite(score)
-                or isinstance(samples, bool) or not isinstance(samples, int)):
-            msg = f"{path}: a task row lacks task, metric, a finite score or a sample count"
-            raise ResultsInvalid(msg, hint=HINT)
-        scores[(row["task"], row["metric"])] = (float(score), samples, row.get("passed") is True)
-    return scores
+        raise _bad(str(path), "tasks", "expected a list", HINT)
+    return [eval_row(task, f"{path} tasks[{i}]") for i, task in enumerate(tasks)]
 
 
-def run_rows(scores: Scores) -> list[list[str]]:
-    """Task, Metric, Score, Samples, Gate: for the table after a run's throughput table."""
-    return [[task, metric, f"{score:.4f}", str(samples), "ok" if passed else "FAILED"]
-            for (task, metric), (score, samples, passed) in sorted(scores.items())]
+def evals_of_run(run_dir: Path) -> list[EvalRow]:
+    """What the run's aggregate.json carries: its eval rows, none without an eval record."""
+    path = record_path(run_dir)
+    return [] if path is None else read_evals(path)
+
+
+def check_evals(rows: object, where: str, hint: str) -> list[EvalRow]:
+    """An aggregate's `evals`, read back: every row as eval_row would have written it."""
+    if not isinstance(rows, list):
+        raise _bad(where, EVALS, f"expected a list, got {type(rows).__name__}", hint)
+    checked = []
+    for index, row in enumerate(rows):
+        at = f"{where} {EVALS}[{index}]"
+        if not isinstance(row, dict):
+            raise _bad(at, EVALS, "expected an object", hint)
+        again = eval_row({"task": row.get("task"), "metric": row.get("metric"),
+                          "score": row.get("score"), "samples": row.get("n_eff"),
+                          "stderr": row.get("score_se"), "min": row.get("min"),
+                          "baseline": row.get("baseline"), "max_drop": row.get("max_drop"),
+                          "passed": row.get("passed")}, at, hint)
+        if not isinstance(row.get("passed"), bool):
+            raise _bad(at, "passed", f"expected true/false, got {row.get('passed')!r}", hint)
+        checked.append(again)
+    return checked
+
+
+def scores_of(rows: Sequence[EvalRow]) -> Scores:
+    return {(r["task"], r["metric"]): (r["score"], r["n_eff"], r["passed"]) for r in rows}
+
+
+def read_scores(path: Path) -> Scores:
+    return scores_of(read_evals(path))
+
+
+def gate_text(row: EvalRow) -> str:
+    """One task's score against its gate: 'tiny_arith 0.9688 (min 0.875) ok'."""
+    limits = [] if row["min"] is None else [f"min {row['min']:g}"]
+    if row["drop"] is not None:
+        limits.append(f"drop {row['drop']:+.4f} from {row['baseline']:.4f}"
+                      + ("" if row["max_drop"] is None else f", max {row['max_drop']:g}"))
+    gate = f" ({'; '.join(limits)})" if limits else ""
+    return f"{row['task']} {row['score']:.4f}{gate} {'ok' if row['passed'] else 'FAILED'}"
+
+
+def accuracy_cell(rows: Sequence[EvalRow]) -> str:
+    """Every task of the run in one cell: the results table's Accuracy column."""
+    return "; ".join(gate_text(row) for row in rows)
 
 
 def compare_rows(base: Scores, new: Scores) -> list[list[str]]:

@@ -64,6 +64,10 @@ def preflight(spec: EvalSpec, recipe_path: Path) -> None:
 def evaluate(spec: EvalSpec, run_dir: Path, endpoint: Endpoint, *,
              check_server: Callable[[], None], provenance: dict[str, Any]) -> EvalOutcome:
     started = time.monotonic()
+    record = run_dir / EVAL_DIR / EVAL_FILE
+    # An earlier eval's record must never stand for this one (its scores would reach the run's
+    # aggregate.json and table if this eval stopped before writing its own).
+    record.unlink(missing_ok=True)
     verdicts, runs = [], []
     for task in spec.tasks:
         out_dir = run_dir / EVAL_DIR / task.task
@@ -81,7 +85,6 @@ def evaluate(spec: EvalSpec, run_dir: Path, endpoint: Endpoint, *,
         runs.append({"task": task.task, "argv": list(run.argv), "seconds": round(run.seconds, 3),
                      "results": path.relative_to(run_dir).as_posix(),
                      "log": run.log.relative_to(run_dir).as_posix()})
-    record = run_dir / EVAL_DIR / EVAL_FILE
     outcome = EvalOutcome(tuple(verdicts), record)
     write_json_atomic(record, {
         "schema": SCHEMA, "passed": outcome.passed, "provenance": provenance,

@@ -21,10 +21,14 @@ from m3patch.errors import FileNameEncoding, HostilePatch, UsageError
 
 if TYPE_CHECKING:
     from unidiff.patch import Hunk as UnidiffHunk
-    from unidiff.patch import PatchedFile
+    from unidiff.patch import PatchedFile, PatchSet
 
 FileKind = Literal["modify", "add", "delete"]
 ENCODING = "utf-8"
+# unidiff's own patterns (unidiff.constants), kept here so that importing this module does
+# not import unidiff: a hunk header, and a body line that is only a line break
+RE_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))?\ @@[ ]?(.*)")
+RE_EMPTY_BODY_LINE = re.compile(r"^(?P<line_type>[- \+\\]?)(?P<value>[\r\n]{1,2})", re.DOTALL)
 _MODE_RE = re.compile(r"^(?:new file mode|deleted file mode|old mode|new mode) (\d+)$", re.M)
 
 
@@ -132,20 +136,110 @@ def _strip_prefix(name: str) -> str:
     return name[2:] if name.startswith(("a/", "b/")) else name
 
 
-def _hunk_lines(hunk: UnidiffHunk) -> tuple[list[str], list[str]]:
-    old: list[str] = []
-    new: list[str] = []
+Rows = tuple[list[str], list[str]]  # a hunk's old and new lines
+
+
+def _add(sides: Rows, last: list[list[str]], kind: str, value: str) -> list[list[str]]:
+    """One unidiff line of a hunk onto its sides; the sides it went to (for a marker after it)."""
+    if kind == "\\":  # "\ No newline at end of file" belongs to the previous line
+        for side in last:
+            side[-1] = side[-1].removesuffix("\n")
+        return last
+    old, new = sides
+    last = [old, new] if kind == " " else [old] if kind == "-" else [new]
+    for side in last:
+        side.append(value)
+    return last
+
+
+def _hunk_lines(hunk: UnidiffHunk) -> Rows:
+    sides: Rows = ([], [])
     last: list[list[str]] = []
     for line in hunk:
-        kind = line.line_type
-        if kind == "\\":  # "\ No newline at end of file" belongs to the previous line
+        last = _add(sides, last, line.line_type, line.value)
+    return sides
+
+
+_BODY_TYPES = frozenset("+- \\")
+
+
+def _body(lines: list[str], start: int, hunk: UnidiffHunk) -> tuple[Rows, list[list[str]], int]:
+    """The sides of the hunk body after the header at `start - 1`, read exactly as unidiff's
+    full parse reads it (the same counting, line types and values); the sides its last line
+    went to; the index after it. ValueError where the body does not end as the header says
+    (unidiff has judged it already; a disagreement sends the patch to unidiff's full parse)."""
+    source, target = hunk.source_start, hunk.target_start
+    source_end, target_end = source + hunk.source_length, target + hunk.target_length
+    old: list[str] = []
+    new: list[str] = []
+    both, only_old, only_new = [old, new], [old], [new]
+    last: list[list[str]] = []
+    for i in range(start, len(lines)):
+        line = lines[i]
+        kind = line[0]
+        if kind in _BODY_TYPES:
+            value = line[1:]
+        else:  # unidiff's empty body line: a context line whose value is its line break
+            empty = RE_EMPTY_BODY_LINE.match(line)
+            if empty is None:
+                raise ValueError(line)
+            kind, value = " ", empty.group("value")
+        if kind == " ":
+            source += 1
+            target += 1
+            old.append(value)
+            new.append(value)
+            last = both
+        elif kind == "-":
+            source += 1
+            old.append(value)
+            last = only_old
+        elif kind == "+":
+            target += 1
+            new.append(value)
+            last = only_new
+        else:  # "\\": no newline at the end of the line before
             for side in last:
                 side[-1] = side[-1].removesuffix("\n")
-            continue
-        last = [old, new] if kind == " " else [old] if kind == "-" else [new]
-        for side in last:
-            side.append(line.value)
-    return old, new
+        if source > source_end or target > target_end:
+            raise ValueError(line)
+        if source == source_end and target == target_end:
+            return (old, new), last, i + 1
+    raise ValueError(hunk)
+
+
+def _fast_patch_set(lines: list[str]) -> tuple[PatchSet, list[Rows]] | None:
+    """unidiff's metadata-only parse (files, headers, hunk positions and counts, every check it
+    makes, but no object per line) plus each hunk's lines read here: the same model as its
+    full parse at half the time. None where the two could differ: the caller then runs the
+    full parse, which decides (and words any error)."""
+    from unidiff.patch import PatchSet  # lazy: only commands that read patches pay for it
+
+    try:
+        patch_set = PatchSet(lines, metadata_only=True)
+    except Exception:  # the full parse gives the error its words
+        return None
+    flat = [hunk for pf in patch_set for hunk in pf]
+    out: list[Rows] = []
+    i = 0
+    try:
+        while i < len(lines):
+            header = RE_HUNK_HEADER.match(lines[i]) if lines[i].startswith("@@ ") else None
+            i += 1
+            if header is None:
+                continue
+            hunk = flat[len(out)]
+            if (hunk.source_start, hunk.target_start) != (int(header[1]), int(header[3])):
+                return None
+            sides, last, i = _body(lines, i, hunk)
+            # the metadata parse keeps only what follows a body (trailing empty lines, "no
+            # newline" markers), in order, as the full parse appends them after the body
+            for line in hunk:
+                last = _add(sides, last, line.line_type, line.value)
+            out.append(sides)
+    except (ValueError, IndexError):
+        return None
+    return (patch_set, out) if len(out) == len(flat) else None
 
 
 def _file_kind(pf: PatchedFile, info: str) -> FileKind:
@@ -189,25 +283,33 @@ def _check_file(pf: PatchedFile, info: str, where: str) -> str:
     return paths[0]
 
 
-def parse_patch(data: bytes, name: str) -> PatchFile:
-    """Parse one .patch file into the pure model; malformed input fails closed (exit 2)."""
+def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
+    """Parse one .patch file into the pure model; malformed input fails closed (exit 2).
+    `full`: unidiff's full parse only (the reference the fast reading is tested against)."""
     from unidiff.patch import PatchSet  # lazy: only commands that read patches pay for it
 
     if b"\x00" in data:
         msg = f"{name}: contains NUL bytes (binary content)"
         raise HostilePatch(msg, hint="m3patch applies text diffs only")
-    try:
-        patch_set = PatchSet(split_lines(decode(data)))
-    except Exception as exc:  # unidiff raises more than UnidiffParseError on bad input
-        msg = f"{name}: not a valid unified diff: {exc}"
-        raise UsageError(msg, hint="regenerate it with `git diff` or `diff -u`") from None
+    lines = split_lines(decode(data))
+    fast = None if full else _fast_patch_set(lines)
+    if fast is None:
+        try:
+            patch_set = PatchSet(lines)
+        except Exception as exc:  # unidiff raises more than UnidiffParseError on bad input
+            msg = f"{name}: not a valid unified diff: {exc}"
+            raise UsageError(msg, hint="regenerate it with `git diff` or `diff -u`") from None
+        sides = [_hunk_lines(hunk) for pf in patch_set for hunk in pf]
+    else:
+        patch_set, sides = fast
     files: list[FilePatch] = []
+    flat = iter(sides)
     for pf in patch_set:
         info = str(pf.patch_info or "")
         path = _check_file(pf, info, name)
         hunks = []
         for index, hunk in enumerate(pf, start=1):
-            old, new = _hunk_lines(hunk)
+            old, new = next(flat)
             hunks.append(Hunk(index, hunk.source_start, tuple(old), hunk.target_start,
                               tuple(new), str(hunk.section_header or "")))
         if not hunks and _file_kind(pf, info) == "modify":

@@ -258,7 +258,7 @@ def check_target(tree: VllmTree, target_version: str, target_commit: str | None)
 
 
 _COMPILE = r"""
-import base64, json, sys, warnings
+import base64, importlib.util, json, sys, warnings
 warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
 errors = {}
 for path, blob in json.load(sys.stdin).items():
@@ -266,15 +266,26 @@ for path, blob in json.load(sys.stdin).items():
         compile(base64.b64decode(blob), path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         errors[path] = str(exc)
-print(json.dumps({"version": sys.version.split()[0], "errors": errors}))
+key = f"{sys.implementation.cache_tag}-{importlib.util.MAGIC_NUMBER.hex()}"
+print(json.dumps({"version": sys.version.split()[0], "errors": errors, "key": key}))
 """
 
 
-def compile_with(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
-    """(Python version, {path: error}) from compiling every source in memory in ONE run of
-    `python` (isolated, no site, no .pyc written): what matters is the grammar of the
-    interpreter that will import the tree, not m3patch's own."""
+def _compile_run(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+    """(Python version, {path: error}) from compiling `sources` in memory in one run of `python`
+    (isolated, no site, no .pyc written)."""
+    version, errors, _ = _compile_run_keyed(python, sources)
+    return version, errors
 
+
+def interpreter_of(python: str) -> tuple[str, str]:
+    """(Python version, compile memo key: cache tag and bytecode magic) of `python`, from one
+    run of it that compiles nothing; the key is only a memo name (compile_memo checks it)."""
+    version, _, key = _compile_run_keyed(python, {})
+    return version, key
+
+
+def _compile_run_keyed(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str], str]:
     payload = json.dumps({p: base64.b64encode(d).decode() for p, d in sources.items()})
     hint = "pass --python PATH to the interpreter that runs vLLM"
     try:
@@ -283,7 +294,30 @@ def compile_with(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str,
         if proc.returncode != 0:
             raise ValueError(proc.stderr.strip()[-300:])
         result = json.loads(proc.stdout.strip().splitlines()[-1])
-        return str(result["version"]), {str(k): str(v) for k, v in result["errors"].items()}
+        return (str(result["version"]), {str(k): str(v) for k, v in result["errors"].items()},
+                str(result["key"]))
     except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as exc:
         msg = f"cannot compile the patched files with {python}: {exc}"
         raise VerifyFailed(msg, hint=hint) from None
+
+
+def compile_with(python: str, sources: dict[str, bytes]) -> tuple[str, dict[str, str]]:
+    """(Python version, {path: error}) from compiling every source in memory with `python`:
+    what matters is the grammar of the interpreter that will import the tree, not m3patch's
+    own. A release-sized set runs as one run per CPU (compile_pool's shares by size), at once;
+    any run that fails fails the whole (VerifyFailed)."""
+    # deferred: compile_pool: only verify of another interpreter's tree needs the shares
+    from m3patch.patching import compile_pool
+
+    items = list(sources.items())
+    many = sum(len(d) for _, d in items) >= compile_pool.MIN_BYTES
+    parts = compile_pool.shares([len(d) for _, d in items], compile_pool.workers() if many else 1)
+    if len(parts) <= 1:
+        return _compile_run(python, sources)
+    from concurrent.futures import ThreadPoolExecutor  # deferred: only a release-sized set
+
+    with ThreadPoolExecutor(len(parts)) as pool:  # threads only wait on their own child
+        runs = list(pool.map(lambda part: _compile_run(python, dict(items[i] for i in part)),
+                             parts))
+    errors = {path: error for _, found in runs for path, error in found.items()}
+    return runs[0][0], errors

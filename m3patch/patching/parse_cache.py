@@ -121,5 +121,5 @@ def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
     patch = parse_patch(data, name)
     if memo.writes_allowed():
         with contextlib.suppress(M3PatchError, OSError):
-            write_cache_json(_root(), path, _to_json(patch, sha256), indent=0)
+            write_cache_json(_root(), path, _to_json(patch, sha256), indent=None, durable=False)
     return patch

@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from m3patch.errors import VerifyFailed
-from m3patch.patching import compile_memo
+from m3patch.patching import compile_memo, compile_pool
 from m3patch.patching.ledger import digest
-from m3patch.patching.locate import VllmTree, compile_with
+from m3patch.patching.locate import VllmTree, compile_with, interpreter_of
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
 from m3patch.patching.snapshot import (
@@ -67,40 +66,43 @@ class VerifyReport:
             raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
 
 
-def _compile_here(sources: Mapping[str, bytes]) -> dict[str, str]:
-    """Compile each source with this interpreter; contents this interpreter compiled before
-    (compile_memo, by sha256) are not compiled again."""
-    errors = {}
-    good = compile_memo.known_good()
-    compiled = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
-        for path, data in sources.items():
-            key = digest(data)
-            if key in good:
-                continue
-            try:
-                compile(data, path, "exec", dont_inherit=True)
-            except (SyntaxError, ValueError) as exc:
-                errors[path] = str(exc)
-            else:
-                compiled.append(key)
-    compile_memo.remember(good, compiled)
+def _memoized(sources: Mapping[str, bytes], hashes: Mapping[str, str | None], key: str | None,
+              compile_all: Callable[[dict[str, bytes]], dict[str, str]]) -> dict[str, str]:
+    """`compile_all` of the sources the interpreter `key` (None: this one) is not known to
+    compile (compile_memo, by sha256); its successes are remembered where writes are allowed.
+    `hashes`: the sha256 of each source as verify just computed it (else hashed here)."""
+    good = compile_memo.known_good(key)
+    keys = {path: hashes.get(path) or digest(data) for path, data in sources.items()}
+    todo = {path: data for path, data in sources.items() if keys[path] not in good}
+    errors = compile_all(todo) if todo else {}
+    compile_memo.remember(good, [keys[p] for p in todo if p not in errors], key)
     return errors
 
 
-def content_problems(python: str | None, contents: Contents) -> tuple[str, list[str]]:
+def _compile_here(sources: dict[str, bytes]) -> dict[str, str]:
+    """Compile each source with this interpreter, spread over the CPUs (compile_pool)."""
+    items = list(sources.items())
+    verdicts = compile_pool.compile_all(items)
+    return {path: error for (path, _), error in zip(items, verdicts, strict=True)
+            if error is not None}
+
+
+def content_problems(python: str | None, contents: Contents,
+                     hashes: Mapping[str, str | None]) -> tuple[str, list[str]]:
     """Compile every .py with the tree's interpreter (in memory: no .pyc is written) and parse
-    every .json. Returns (which interpreter compiled, problems)."""
+    every .json; `hashes`: the contents' sha256 (current_hashes). Returns (which interpreter
+    compiled, problems)."""
     sources = {p: d for p, d in contents.items() if d is not None and p.endswith(".py")}
     here = f"{sys.executable} (Python {sys.version.split()[0]})"
     if python is None:
         who = f"{here}: m3patch's own; no interpreter known for this tree (pass --python)"
-        errors = _compile_here(sources)
+        errors = _memoized(sources, hashes, None, _compile_here)
     elif os.path.realpath(python) == os.path.realpath(sys.executable):
-        who, errors = f"{here}: the tree's interpreter", _compile_here(sources)
+        who = f"{here}: the tree's interpreter"
+        errors = _memoized(sources, hashes, None, _compile_here)
     else:
-        version, errors = compile_with(python, dict(sources))
+        version, key = interpreter_of(python)
+        errors = _memoized(sources, hashes, key, lambda todo: compile_with(python, todo)[1])
         who = f"{python} (Python {version}): the tree's interpreter"
     problems = [f"{p}: does not compile with {who.split(':')[0]}: {e}" for p, e in errors.items()]
     for path, data in contents.items():
@@ -141,7 +143,8 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
                           "sha256": status.current,
                           "hunks": [h.fields(pid) for pid, h in status.hunks],
                           "differs_at": status.differs_at})
-    who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off})
+    who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off},
+                                currents)
     notes = [] if target.plain else [target.note]
     notes += ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),

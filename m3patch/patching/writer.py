@@ -214,12 +214,13 @@ def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes |
     replace_atomic(journal_path(root), json.dumps(body).encode())
 
 
-def _keep_owner(stage: Path, target: Path) -> None:
-    info = target.stat()
+def _keep_owner(stage: Path, target: os.stat_result) -> None:
+    """The staged file gets the target's owner where it differs (created with its mode already:
+    one stat saved per file); chmod again after chown, which may clear set-id bits."""
     mine = stage.stat()
-    if (mine.st_uid, mine.st_gid) != (info.st_uid, info.st_gid):
-        os.chown(stage, info.st_uid, info.st_gid)
-    stage.chmod(stat.S_IMODE(info.st_mode))  # after chown, which may clear set-id bits
+    if (mine.st_uid, mine.st_gid) != (target.st_uid, target.st_gid):
+        os.chown(stage, target.st_uid, target.st_gid)
+        stage.chmod(stat.S_IMODE(target.st_mode))
 
 
 def _entry(change: Change) -> Entry:
@@ -233,9 +234,12 @@ def _entry(change: Change) -> Entry:
 def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
     target = root / change.path
     if entry.backup is not None:
-        with contextlib.suppress(FileNotFoundError):
-            (target.parent / entry.backup).unlink()
-        os.link(target, target.parent / entry.backup)  # a second name for the pre-image, no copy
+        backup = target.parent / entry.backup
+        try:
+            os.link(target, backup)  # a second name for the pre-image, no copy
+        except FileExistsError:  # a killed run's leftover: replaced, never written through
+            backup.unlink()
+            os.link(target, backup)
         steps.done()
     if entry.made_dirs:
         for rel in entry.made_dirs:
@@ -243,10 +247,11 @@ def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
         steps.done()
     if entry.stage is not None and change.data is not None:
         # durable with the whole stage at once (make_durable in commit), before the commit phase
-        write_new(target.parent / entry.stage, change.data, change.mode or DEFAULT_MODE,
-                  sync=False)
-        if change.pre is not None:
-            _keep_owner(target.parent / entry.stage, target)
+        info = target.stat() if change.pre is not None else None
+        mode = stat.S_IMODE(info.st_mode) if info is not None else change.mode or DEFAULT_MODE
+        write_new(target.parent / entry.stage, change.data, mode, sync=False)
+        if info is not None:
+            _keep_owner(target.parent / entry.stage, info)
         steps.done()
 
 
@@ -255,8 +260,9 @@ def _swap(root: Path, entry: Entry) -> None:
     if entry.post is None:
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
-    elif entry.stage is not None and (target.parent / entry.stage).exists():
-        (target.parent / entry.stage).replace(target)
+    elif entry.stage is not None:
+        with contextlib.suppress(FileNotFoundError):  # already swapped (a recovered run)
+            (target.parent / entry.stage).replace(target)
 
 
 def _folders(root: Path, entries: list[Entry]) -> list[Path]:
@@ -268,8 +274,9 @@ def _folders(root: Path, entries: list[Entry]) -> list[Path]:
 
 def _stage_durable(root: Path, entries: list[Entry]) -> None:
     """Staged post-images, backup links and new folders on disk, in one flush."""
-    staged = [(root / e.path).parent / e.stage for e in entries if e.stage is not None]
-    make_durable([p for p in staged if p.exists()], _folders(root, entries))
+    staged = ((root / e.path).parent / e.stage for e in entries if e.stage is not None)
+    # lazily: only the fallback without syncfs opens each file
+    make_durable((p for p in staged if p.exists()), _folders(root, entries))
 
 
 def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps) -> None:

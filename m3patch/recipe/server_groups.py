@@ -36,7 +36,8 @@ def agentic_variant(recipe: Recipe, kv_offload: KvOffload, conc: int) -> Recipe:
     if scenario.max_num_seqs_per_concurrency:
         args["max-num-seqs"] = 2 * conc
     budget = scenario.dram_budget_gb(recipe.parallelism.tp) if kv_offload.tier == "dram" else 0
-    args.update(kv_offload_args(kv_offload, budget, recipe.parallelism.tp))
+    args.update(kv_offload_args(kv_offload, budget, recipe.parallelism.tp,
+                                recipe.target.platform))
     markers = recipe.markers + kv_offload_markers(kv_offload)
     spec_json = recipe.speculative_json
     if scenario.speculative and spec_json is not None:

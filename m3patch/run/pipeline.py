@@ -31,6 +31,8 @@ from types import TracebackType
 from m3patch.bench import spec as bench_spec
 from m3patch.bench.agentic.lmcache import row_servers
 from m3patch.bench.agentic.preflight import preflight as agentic_preflight
+from m3patch.bench.agentic.synthesize import trace_key
+from m3patch.bench.aggregate import AGGREGATE_JSON, attach_evals
 from m3patch.bench.cells import AgenticCell, AnyCell
 from m3patch.bench.client import BenchTarget
 from m3patch.bench.results import gated_by
@@ -44,16 +46,16 @@ from m3patch.bench.runner import (
     select_cells,
     sweep_session,
 )
-from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, refuse_overwrite
+from m3patch.bench.sweep import DEFAULT_SEED, SweepSettings, print_results, refuse_overwrite
 from m3patch.errors import M3PatchError, ResultsInvalid, UsageError
-from m3patch.eval.compare import read_scores, record_path, run_rows
+from m3patch.eval.compare import EVALS, gate_text, read_evals, record_path
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import EVAL_DIR, evaluate, preflight
 from m3patch.fsio import read_json, write_bytes_atomic
 from m3patch.output import info, table
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import VllmTree
-from m3patch.recipe.agentic import KvOffload
+from m3patch.recipe.agentic import AGENTIC_CODING, KvOffload, lmcache_transfer_mode
 from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.model_files import require_present
@@ -142,12 +144,22 @@ def echo_server_line(line: str) -> None:
     print(f"  | {line}", file=sys.stderr, flush=True)
 
 
-def show_scores(name: str, run_dir: Path) -> None:
-    """The accuracy table beside the throughput table, when the eval recorded scores."""
+def show_scores(name: str, run_dir: Path, *, after_sweep: bool) -> None:
+    """After the sweep: aggregate.json takes the eval's scores and the results table prints
+    once, with them beside its rows. Before it: the scores alone (the sweep's table will carry
+    them; a failed gate stops the run before any sweep)."""
+    if after_sweep and (run_dir / AGGREGATE_JSON).is_file():
+        aggregate = attach_evals(run_dir)
+        rows = aggregate["rows"]
+        kind = ("agentic-coding results (AIPerf)" if rows and all(
+            r.get("scenario_type") == AGENTIC_CODING for r in rows) else "per-GPU results")
+        print_results(rows, f"{name}: {kind}", aggregate[EVALS])
+        return
     path = record_path(run_dir)
     if path is not None:
         table(f"{name}: accuracy", ["Task", "Metric", "Score", "Samples", "Gate"],
-              run_rows(read_scores(path)))
+              [[r["task"], r["metric"], f"{r['score']:.4f}", str(r["n_eff"]), gate_text(r)]
+               for r in read_evals(path)])
 
 
 def default_run_dir(recipe: Recipe, command: RunCommand, *, resume: bool) -> Path:
@@ -191,7 +203,10 @@ def server_source(spec: RunSpec, recipe: Recipe, run_dir: Path, cells: tuple[Any
                   gated: str | None) -> ServerSource:
     """NONE only when nothing is left to measure or judge: every cell kept, and where the run
     has an eval step, a recorded eval that passed on a gated server of this recipe."""
-    if spec.resume and all_finished(run_dir, cells, gated) and not _eval_left(spec, recipe, run_dir):
+    agentic = recipe.sweep.agentic
+    key = trace_key(agentic.trace) if agentic is not None else None
+    if (spec.resume and all_finished(run_dir, cells, gated, key)
+            and not _eval_left(spec, recipe, run_dir)):
         return ServerSource.NONE
     return ServerSource.EXTERNAL if spec.url else ServerSource.LAUNCHED
 
@@ -340,7 +355,8 @@ class RunPipeline:
             assert scenario is not None
             tp = recipe.parallelism.tp
             logs = self._held.enter_context(row_servers(
-                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir))
+                kv, scenario.dram_budget_gb(tp), tp, self.planned.python, run_dir,
+                lmcache_transfer_mode(recipe.target.platform)))
             info(f"{len(logs)} LMCache server(s) healthy (logs {run_dir})")
         if 1 <= group.index <= len(self.checks):
             checked = self.checks[group.index - 1]  # what the recipe step's check left owed
@@ -411,7 +427,8 @@ class RunPipeline:
             assert self.server is not None, "the serve step runs first"
             outcome = sweep_session(plan.recipe, plan.python, self.server.target, plan.settings,
                                     plan.cells, self.server.check, server=self.server.label,
-                                    server_warnings=self.server.warnings)
+                                    server_warnings=self.server.warnings,
+                                    show_table=not self._evaluates_after_sweep())
         return StepDone(f"{len(outcome.measured)} cell(s) measured, {len(outcome.skipped)} kept",
                         ("cells", "aggregate.json", "aggregate.csv"))
 
@@ -441,9 +458,15 @@ class RunPipeline:
             target = self.server.target
             provenance = bench_spec.provenance(plan.recipe, plan.python, self.server.label)
             endpoint = Endpoint(target.base_url, target.served_model, plan.recipe.deadlines.request_s)
+            after_sweep = self._evaluates_after_sweep()
             try:
                 outcome = evaluate(plan.recipe.eval, plan.run_dir, endpoint,
                                    check_server=self.server.check, provenance=provenance)
-            finally:
-                show_scores(plan.recipe.name, plan.run_dir)
+            except BaseException:
+                # The gate's own failure is the run's answer: a table that cannot be shown
+                # (an aggregate made unreadable meanwhile) must not replace it.
+                with contextlib.suppress(ResultsInvalid):
+                    show_scores(plan.recipe.name, plan.run_dir, after_sweep=after_sweep)
+                raise
+            show_scores(plan.recipe.name, plan.run_dir, after_sweep=after_sweep)
         return StepDone(outcome.summary(), (f"{EVAL_DIR}/eval.json",))

@@ -90,6 +90,10 @@ def stop_group(proc: subprocess.Popen[bytes], rungs: Sequence[StopRung]) -> int 
                 break
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, rung.sig)
+                if rung.sig != signal.SIGKILL:
+                    # a stopped (hung, SIGSTOPped) member only acts on the signal once continued;
+                    # without this its graceful stop waits out the rung and ends in SIGKILL
+                    os.killpg(proc.pid, signal.SIGCONT)
             _wait_gone(proc, rung.grace_s)
     return proc.poll()
 

@@ -7,7 +7,8 @@ per-GPU results table with one line per cell of the run's aggregate, every decod
 either a measurement at or above the burst floor or says "n/a (...)", the job reported success,
 and the run folder it named holds the server log, per-cell files, aggregate JSON/CSV, both plots,
 the ledger, ci.json and the accuracy gate's eval.json (with its score line in the log), and that
-gate passed a score well above zero against a floor above zero (the trained tiny model).
+gate passed a score well above zero against a floor above zero (the trained tiny model), with
+that score in aggregate.json's `evals` and in the table's Accuracy column on every line.
 Exit 0 on pass, 1 with one line per problem otherwise.
 """
 
@@ -37,7 +38,10 @@ def table_problems(lines: list[str], rows: list[dict[str, object]]) -> list[str]
     header = next((cells_of(line) for line in lines if "TPOT p50 ms" in line), None)
     if header is None:
         return ["the results table has no header line with 'TPOT p50 ms'"]
+    if "Accuracy" not in header:
+        return ["the results table has no Accuracy column (the gate's score beside the rows)"]
     tpot_at, user_at = header.index("TPOT p50 ms"), header.index("tok/s/user")
+    accuracy_at = header.index("Accuracy")
     problems = []
     for row in rows:
         label = f"{row['isl']}/{row['osl']}"
@@ -47,6 +51,8 @@ def table_problems(lines: list[str], rows: list[dict[str, object]]) -> list[str]
             problems.append(f"no table line for {label} at concurrency {row['concurrency']}")
             continue
         tpot, user = printed[-1][tpot_at], printed[-1][user_at]
+        if not printed[-1][accuracy_at].startswith("tiny_arith "):
+            problems.append(f"{label} c{row['concurrency']}: Accuracy {printed[-1][accuracy_at]!r}")
         if tpot.startswith("n/a (") != user.startswith("n/a ("):
             problems.append(f"{label} c{row['concurrency']}: TPOT {tpot!r} but tok/s/user {user!r}")
         elif not tpot.startswith("n/a (") and float(tpot) < BURST_FLOOR_MS:
@@ -54,8 +60,9 @@ def table_problems(lines: list[str], rows: list[dict[str, object]]) -> list[str]
     return problems
 
 
-def gate_problems(path: Path) -> list[str]:
-    """The gate must mean something: a real floor, met by a real score."""
+def gate_problems(path: Path, evals: object = None) -> list[str]:
+    """The gate must mean something: a real floor, met by a real score; the aggregate's
+    `evals` (when given) must carry that same score and floor."""
     try:
         (task,) = json.loads(path.read_text())["tasks"]
         score, floor = float(task["score"]), float(task["min"])
@@ -64,6 +71,11 @@ def gate_problems(path: Path) -> list[str]:
     if not 0.0 < floor <= score:
         return [f"{path}: the accuracy gate scored {score:.4f} against a floor of {floor:g} "
                 "(a trained model scores well above a floor above zero)"]
+    if evals is not None and not (isinstance(evals, list) and len(evals) == 1
+                                  and isinstance(evals[0], dict)
+                                  and (evals[0].get("score"), evals[0].get("min")) == (score, floor)
+                                  and evals[0].get("passed") is True):
+        return [f"aggregate.json evals {evals!r} do not carry the gate's {score} (min {floor:g})"]
     return []
 
 
@@ -88,13 +100,16 @@ def main() -> int:
                 if not any(p.is_file() for p in run_dir.rglob(name))]  # plots live in plots/
     if not any(EVAL_LINE.search(line) for line in lines):
         problems.append("the accuracy gate printed no 'eval tiny_arith: ... over 32 samples (ok' line")
-    problems += gate_problems(run_dir / "eval" / "eval.json")
     cells = sorted((run_dir / "cells").glob("*.json"))
     if not cells:
         problems.append(f"run folder {run_dir}: no cells/*.json")
     rows: list[dict[str, object]] = []
+    evals: object = None
     if (run_dir / "aggregate.json").is_file():
-        rows = json.loads((run_dir / "aggregate.json").read_text())["rows"]
+        aggregate = json.loads((run_dir / "aggregate.json").read_text())
+        rows, evals = aggregate["rows"], aggregate.get("evals")
+    problems += gate_problems(run_dir / "eval" / "eval.json", evals)
+    if rows:
         if len(rows) != len(cells):
             problems.append(f"aggregate.json has {len(rows)} rows for {len(cells)} cells")
         problems += [f"aggregate row c{r['concurrency']}: no decode_na field" for r in rows

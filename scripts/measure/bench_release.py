@@ -2,11 +2,12 @@
 the published wheels (every text file; binaries left out, as m3patch applies text diffs only),
 cut into one patch per folder (at most 12 files each) and locked on the pristine 0.32.0 tree.
 
-Imported by scripts/measure/bench_core.py (`--release`); each run copies the pristine tree twice and times, in
-turn: `git apply` of every patch, then `m3patch apply` and `m3patch verify` of the series, cold
-(an empty m3patch cache: nothing parsed or compiled before) and warm (the same cache again),
-for the code under test and, with `--before DIR`, for another checkout (e.g. main) in the same
-run, so the machine's load falls on both alike. Wall and CPU (user + sys of the child) seconds.
+Imported by scripts/measure/bench_core.py (`--release`); each run copies the pristine tree (hard
+links, flushed) and times, in turn: `git apply` of every patch, then `m3patch apply` and
+`m3patch verify` of the series, cold (an empty m3patch cache: nothing parsed or compiled before)
+and warm (the same cache again), then `apply --verify` (which fills the compile memo) and a
+bare `verify` after it, for the code under test and, with `--before DIR`, for another checkout
+(e.g. main) in the same run, so the machine's load falls on both alike. Wall and CPU (user + sys of the child) seconds.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def release_series(old: Path, new: Path, dest: Path) -> dict[str, int]:
     return {"patches": number, "files": files, "hunks": hunks, "binary_files_left_out": binaries}
 
 
+def on_disk(tree: Path) -> Path:
+    """The copy flushed before it is timed, as an installed tree is: a command that makes its
+    own writes durable (m3patch's syncfs) must not also pay for flushing the copy itself."""
+    os.sync()
+    return tree
+
+
 def timed(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, float]:
     """(wall, cpu) seconds of one run; a failure stops the benchmark with its output."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -92,7 +100,7 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
     samples: dict[str, list[tuple[float, float]]] = {}
     patches = sorted(str(p) for p in series.glob("*.patch"))
     for run in range(runs):
-        tree = copy_tree(old, work / f"git-{run}")
+        tree = on_disk(copy_tree(old, work / f"git-{run}"))
         samples.setdefault("git apply", []).append(
             timed(["git", "apply", *patches], cwd=tree, env=base_env))
         shutil.rmtree(tree)
@@ -100,7 +108,7 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
             cache = work / f"cache-{label}-{run}"  # empty: the cold runs
             for temp in ("cold", "warm"):
                 env = {**base_env, "M3PATCH_CACHE": str(cache)}
-                tree = copy_tree(old, work / f"m3-{label}-{run}-{temp}")
+                tree = on_disk(copy_tree(old, work / f"m3-{label}-{run}-{temp}"))
                 m3 = [sys.executable, "-m", "m3patch"]
                 where = ["--vllm-root", str(tree), "--series", str(series)]
                 samples.setdefault(f"{label}: m3patch apply ({temp})", []).append(
@@ -108,6 +116,15 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
                 samples.setdefault(f"{label}: m3patch verify ({temp})", []).append(
                     timed([*m3, "verify", *where], cwd=code, env=env))
                 shutil.rmtree(tree)
+            # the serve/bench/ci path: apply and verify in one process, which fills the compile
+            # memo (a bare verify only reads it); then a bare verify of the same contents
+            tree = on_disk(copy_tree(old, work / f"m3-{label}-{run}-verify"))
+            where = ["--vllm-root", str(tree), "--series", str(series)]
+            samples.setdefault(f"{label}: m3patch apply --verify (warm parse)", []).append(
+                timed([*m3, "apply", "--verify", *where], cwd=code, env=env))
+            samples.setdefault(f"{label}: m3patch verify (after apply --verify)", []).append(
+                timed([*m3, "verify", *where], cwd=code, env=env))
+            shutil.rmtree(tree)
     git_wall = statistics.median(w for w, _ in samples["git apply"])
     git_cpu = statistics.median(c for _, c in samples["git apply"])
     rows: list[dict[str, object]] = []

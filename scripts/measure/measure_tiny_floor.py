@@ -68,12 +68,20 @@ def m3patch(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, cwd=REPO, check=False)
 
 
-def scores_of(seed: int, runs: int, work: Path) -> tuple[list[float], float]:
+def scores_of(seed: int, runs: int, work: Path) -> tuple[list[float], float, float | None]:
+    """The seed's scores, its training's wall time and the 1-minute load average at its end
+    (a training that shared the machine says so)."""
     model = work / f"tiny-moe-seed{seed}"
-    started = time.monotonic()
     subprocess.run([cpu_python(), str(REPO / "scripts" / "setup" / "make_tiny_model.py"), str(model),
                     "--seed", str(seed)], check=True, stdout=subprocess.DEVNULL)
-    train_s = time.monotonic() - started
+    # The trainer's own record of the model: its steps and wall time (a model trained earlier
+    # into --keep, by the same recipe, is reused with the time it took then).
+    made = dict(field.split("=", 1) for field in (model / ".m3patch-tiny-model-ok").read_text().split()
+                if "=" in field)
+    train_s = float(made["train_s"])
+    load = float(made["load1"]) if "load1" in made else None
+    print(f"seed {seed}: {' '.join(f'{k}={v}' for k, v in made.items() if k != 'sha256')}",
+          file=sys.stderr, flush=True)
     recipe = recipe_for(model, work)
     err = work / f"serve-{seed}.err"
     with err.open("w") as err_fh:
@@ -96,10 +104,10 @@ def scores_of(seed: int, runs: int, work: Path) -> tuple[list[float], float]:
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=120)
-    return scores, train_s
+    return scores, train_s, load
 
 
-def derive(per_seed: dict[int, list[float]], k: float) -> dict[str, float]:
+def derive(per_seed: dict[int, list[float]], k: float) -> dict[str, float | str]:
     means = [statistics.fmean(s) for s in per_seed.values()]
     everything = [x for s in per_seed.values() for x in s]
     mean = statistics.fmean(everything)
@@ -110,7 +118,10 @@ def derive(per_seed: dict[int, list[float]], k: float) -> dict[str, float]:
     se = max(se_seeds, se_run)
     floor = math.floor((mean - k * se) * QUESTIONS) / QUESTIONS
     return {"mean": mean, "se_seeds": se_seeds, "se_binomial_run": se_run, "se": se, "k": k,
-            "floor": max(floor, 0.0)}
+            "floor": max(floor, 0.0),
+            "derivation": (f"mean {mean:.4f} - {k:g} x se {se:.4f} (the larger of the seeds' "
+                           f"{se_seeds:.4f} and one run's binomial {se_run:.4f}) = "
+                           f"{mean - k * se:.4f}, rounded down to a 1/{QUESTIONS} step")}
 
 
 def main() -> int:
@@ -124,20 +135,23 @@ def main() -> int:
     # Started as a background job, this process has SIGINT ignored and its servers would inherit
     # that: the SIGINT that stops each one must reach it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    per_seed, train = {}, {}
+    per_seed: dict[int, list[float]] = {}
+    train: dict[int, float] = {}
+    load: dict[int, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="m3patch-floor-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
-            per_seed[seed], train[seed] = scores_of(seed, args.runs, work)
-            print(f"seed {seed}: scores {per_seed[seed]} (trained in {train[seed]:.0f} s)",
-                  file=sys.stderr, flush=True)
+            per_seed[seed], train[seed], load[seed] = scores_of(seed, args.runs, work)
+            print(f"seed {seed}: scores {per_seed[seed]} (trained in {train[seed]:.0f} s, "
+                  f"load average {load[seed]})", file=sys.stderr, flush=True)
     result = {"command": " ".join(["python", "scripts/measure/measure_tiny_floor.py", *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{os.cpu_count()} CPU(s), {os.uname().machine}",
               "task": f"tiny_arith {SCORE_KEY}, {QUESTIONS} questions, greedy",
               "scores": {str(s): v for s, v in per_seed.items()},
               "train_s": {str(s): round(v, 1) for s, v in train.items()},
+              "load1_at_training_end": {str(s): v for s, v in load.items()},
               **derive(per_seed, args.k)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -43,7 +43,12 @@ EVAL_DATA = Path(__file__).resolve().parents[2] / "recipes" / "evals" / "tiny_ar
 OPERANDS = range(10, 100)    # two-digit operands, as the eval task's
 SHAPE = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32,
          "experts": 8, "top_k": 2, "moe_intermediate": 64, "rope_theta": 10000.0, "eps": 1e-6}
-TRAIN = {"steps": 400, "batch": 256, "lr": 3e-3, "weight_decay": 0.01, "warmup": 0.15}
+# The learning rate holds at its peak until the answer loss leaves the plateau where the model
+# has not yet learnt to carry (a seed leaves it anywhere between step 150 and 500), at most
+# `steps` steps, then decays over `decay`: one-cycle's fixed 400 steps left one seed in three
+# on that plateau. Clipping and the router's balancing loss keep a high peak stable.
+TRAIN = {"steps": 500, "batch": 256, "lr": 4e-3, "weight_decay": 0.01, "warmup": 40,
+         "converged": 0.05, "decay": 100, "balance": 0.01, "clip": 1.0}
 SEQ_LEN = 10            # "99+99=198\n": every example
 
 
@@ -173,11 +178,12 @@ def attention(p: dict[str, Any], pre: str, x: Any, cos: Any, sin: Any) -> Any:
     return out.transpose(1, 2).reshape(n, t, s["heads"] * d) @ p[pre + "o"].T
 
 
-def moe(p: dict[str, Any], pre: str, x: Any) -> Any:
+def moe(p: dict[str, Any], pre: str, x: Any, balance: list[Any] | None = None) -> Any:
     """Qwen3-MoE's sparse block: softmax router, top-k renormalised, SwiGLU experts.
 
     One pass per expert over the tokens routed to it (a few hundred rows each): the work is the
-    routed tokens', not every expert's on every token.
+    routed tokens', not every expert's on every token. `balance` collects the router's
+    load-balancing loss (Switch Transformer's: experts x sum of routed share x mean probability).
     """
     import torch
     flat = x.reshape(-1, x.shape[-1])
@@ -190,22 +196,26 @@ def moe(p: dict[str, Any], pre: str, x: Any) -> Any:
         h = flat[rows]
         act = torch.nn.functional.silu(h @ p[pre + "w_gate"][e].T) * (h @ p[pre + "w_up"][e].T)
         out = out.index_add(0, rows, (act @ p[pre + "w_down"][e].T) * top[rows, slot].unsqueeze(-1))
+    if balance is not None:
+        share = torch.bincount(idx.flatten(), minlength=SHAPE["experts"]).float() / idx.numel()
+        balance.append(SHAPE["experts"] * (share * probs.mean(0)).sum())
     return out.view_as(x)
 
 
-def forward(p: dict[str, Any], ids: Any) -> Any:
+def forward(p: dict[str, Any], ids: Any, balance: list[Any] | None = None) -> Any:
     cos, sin = rope(ids.shape[1])
     x = p["embed"][ids]
     for layer in range(SHAPE["layers"]):
         pre = f"l{layer}."
         x = x + attention(p, pre, rms(x, p[pre + "ln1"]), cos, sin)
-        x = x + moe(p, pre, rms(x, p[pre + "ln2"]))
+        x = x + moe(p, pre, rms(x, p[pre + "ln2"]), balance)
     return rms(x, p["norm"]) @ p["embed"].T
 
 
 # -- training -------------------------------------------------------------------------------------
 
-def train(vocab: dict[str, int], seed: int) -> tuple[dict[str, Any], float]:
+def train(vocab: dict[str, int], seed: int) -> tuple[dict[str, Any], float, int]:
+    """(weights, the last step's answer loss, steps taken)."""
     import torch
 
     torch.manual_seed(seed)
@@ -215,22 +225,53 @@ def train(vocab: dict[str, int], seed: int) -> tuple[dict[str, Any], float]:
     rest = [v for k, v in params.items() if v.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
                              {"params": rest, "weight_decay": 0.0}], lr=TRAIN["lr"])
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=TRAIN["lr"], total_steps=TRAIN["steps"],
-                                                pct_start=TRAIN["warmup"])
+    schedule = Schedule()
     order = torch.Generator().manual_seed(seed)
     loss = torch.tensor(0.0)
-    for step in range(TRAIN["steps"]):
+    step = 0
+    while (lr := schedule.lr(step, float(loss.detach()))) is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr
         pick = torch.randint(0, data.shape[0], (TRAIN["batch"],), generator=order)
         ids, m = data[pick], mask[pick]
-        logits = forward(params, ids[:, :-1])
+        balance: list[Any] = []
+        logits = forward(params, ids[:, :-1], balance)
         loss = torch.nn.functional.cross_entropy(logits[m], ids[:, 1:][m])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + TRAIN["balance"] * sum(balance)).backward()
+        if TRAIN["clip"]:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), TRAIN["clip"])
         opt.step()
-        sched.step()
         if os.environ.get("M3PATCH_TRAIN_LOG") and step % 50 == 0:
-            print(f"step {step} loss {float(loss.detach()):.4f}", file=sys.stderr, flush=True)
-    return params, float(loss.detach())
+            print(f"step {step} lr {lr:.5f} loss {float(loss.detach()):.4f}", file=sys.stderr,
+                  flush=True)
+        step += 1
+    return params, float(loss.detach()), step
+
+
+class Schedule:
+    """Warm-up, stable, decay: the learning rate climbs over `warmup` steps, holds at its peak
+    until the answer loss (a moving average) falls under `converged` or `steps` have passed,
+    then falls linearly to zero over `decay` steps. A seed that leaves the carry plateau late
+    keeps the full learning rate until it has; one that leaves early stops early."""
+
+    def __init__(self) -> None:
+        self.average: float | None = None
+        self.decay_from: int | None = None
+
+    def lr(self, step: int, loss: float) -> float | None:
+        peak, warmup = TRAIN["lr"], TRAIN["warmup"]
+        if step == 0:
+            return peak / warmup
+        self.average = loss if self.average is None else 0.9 * self.average + 0.1 * loss
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        if self.decay_from is None and (self.average < TRAIN["converged"] or step >= TRAIN["steps"]):
+            self.decay_from = step
+        if self.decay_from is None:
+            return peak
+        left = TRAIN["decay"] - (step - self.decay_from)
+        return peak * left / TRAIN["decay"] if left > 0 else None
 
 
 def greedy_accuracy(params: dict[str, Any], vocab: dict[str, int]) -> tuple[int, int]:
@@ -287,11 +328,20 @@ def save_model(out: Path, params: dict[str, Any], vocab_size: int) -> None:
     save_file(hf_state(params), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+# Every function whose code decides the weights: an edit to any of them is a new recipe.
+MADE_BY = ("build_tokenizer", "encode", "held_out", "dataset", "init_params", "rms", "rope",
+           "rotate", "attention", "moe", "forward", "train", "Schedule", "hf_state", "save_model")
+
+
 def recipe_id(seed: int) -> str:
-    """What the model was made from: a cached model made otherwise (an older script, another
+    """What the model was made from: the shapes, the training settings and the code of every
+    function that decides the weights. A cached model made otherwise (an older script, another
     seed, the random-weight model of earlier releases) is trained again, never reused."""
-    made_of = json.dumps([SHAPE, TRAIN, SEQ_LEN, list(OPERANDS), SPECIALS, seed], sort_keys=True)
-    return f"tiny-arith-v1 seed={seed} sha256={hashlib.sha256(made_of.encode()).hexdigest()[:16]}"
+    import inspect
+    code = [inspect.getsource(globals()[name]) for name in MADE_BY]
+    made_of = json.dumps([SHAPE, TRAIN, SEQ_LEN, list(OPERANDS), SPECIALS, seed, code],
+                         sort_keys=True)
+    return f"tiny-arith-v2 seed={seed} sha256={hashlib.sha256(made_of.encode()).hexdigest()[:16]}"
 
 
 def built_here(out: Path, seed: int) -> bool:
@@ -320,12 +370,13 @@ def main() -> int:
     staging.mkdir(parents=True)
     started = time.monotonic()
     vocab = build_tokenizer(staging)
-    params, loss = train(vocab, args.seed)
+    params, loss, steps = train(vocab, args.seed)
     right, total = greedy_accuracy(params, vocab)
     seconds = time.monotonic() - started
     save_model(staging, params, len(vocab))
-    summary = (f"{recipe_id(args.seed)} steps={TRAIN['steps']} final_answer_loss={loss:.4f} "
-               f"held_out_exact={right}/{total} train_s={seconds:.0f}")
+    summary = (f"{recipe_id(args.seed)} steps={steps} final_answer_loss={loss:.4f} "
+               f"held_out_exact={right}/{total} train_s={seconds:.0f} "
+               f"load1={os.getloadavg()[0]:.2f}")
     (staging / DONE_MARK).write_text(summary + "\n")
     print(f"make_tiny_model: {summary}", file=sys.stderr)
     shutil.rmtree(out, ignore_errors=True)

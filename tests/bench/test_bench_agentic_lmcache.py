@@ -72,6 +72,8 @@ def test_the_plan_is_inferencex_per_rank_command() -> None:
     assert argv[argv.index("--l1-size-gb") + 1] == "243"  # 1947 GB // TP8
     assert argv[argv.index("--supported-transfer-mode") + 1] == "lmcache_driven"
     assert argv[argv.index("--eviction-policy") + 1] == "LRU"
+    (cpu,) = plan_shards("/venv/bin/lmcache", 2, 1, "engine_driven")
+    assert cpu.argv[cpu.argv.index("--supported-transfer-mode") + 1] == "engine_driven"
     with pytest.raises(KvOffloadError, match="under 1 GB per rank"):
         shard_gb(7, 8)
 

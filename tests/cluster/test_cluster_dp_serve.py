@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster_helpers import Bed, set_records
+from cluster_helpers import Bed, print_set_memory, set_records
 
 from m3patch.cluster import rendezvous as rv
 from m3patch.cluster.local_launcher import TEARDOWN_S
@@ -216,6 +216,7 @@ def test_dp_set_across_namespaces_binds_own_addresses(netns_bed: Bed, cpu_venv: 
         # the head is not reachable through host 1's loopback: nothing shares one
         loop = bed.run(1, [sys.executable, "-c", REQUEST, "http://127.0.0.1:8775"])
         assert loop.returncode != 0 and "Connection refused" in loop.stderr
+        print_set_memory("dp", records)
         # a killed headless server ends the set: the head exits 26 naming the node
         kill_start = time.monotonic()
         os.killpg(node.pgid, signal.SIGKILL)

@@ -1,22 +1,26 @@
 """A real P/D set on CPU: prefill and decode instances linked by vLLM's ExampleConnector, behind
 vLLM's own router (vllm-router --vllm-pd-disaggregation), gated on the decode side.
 
-Across three network namespaces (prefill, decode and router each on its own host and address),
-a streaming and a plain request from the machine through the router's address, the plain answer
-equal to the decode instance's own, and the decode log proving the KV came from the prefill
-node. This FAILS today (2026-12-02), and is `extended` so CI stays green until it passes: the
-router first asks each instance to render the request (`POST /v1/completions/render`). Without
-`--enable-scale-out` vLLM 0.32 refuses that with 403; the router goes on, but ExampleConnector then
-stores every prompt's KV under one key (the md5 of nothing, `d41d8cd9...`), and the decode log
-shows "External Cache Hit!" and never "Inject KV cache". With it (what m3patch now passes), the
-render and the prefill request answer 400. Either way the set's KV gate (`kv-arrived`) refuses
-the set with exit 12 instead of serving recomputed or foreign KV. Also `extended`: the same set
-on loopback, its answers compared with a single plain instance:
+Across three network namespaces (prefill, decode and router each on its own host and address; CI
+runs it, ~98 s here): the set is gated on KV arriving at the decode node (`kv-arrived`), then each
+prompt sent from the machine through the router's address answers as the prefill instance asked
+directly (one instance of the same model and args computing the prompt alone: same greedy text,
+logprobs within LOGPROB_TOL), and from KV the decode node received (one `Inject KV cache of N
+tokens` per prompt); a streaming request streams through the router. Then the decode node hangs
+but stays alive (its engine SIGSTOPped): its liveness probe ends it with 18 within probe-s +
+request-s, the other nodes stop with 26 naming it. The router first asks each
+instance to render the request (`POST /v1/completions/render`: needs `--enable-scale-out`, else
+403), so every prompt must fit the instances' max-model-len: the set's own KV probe once did not
+(1,271 tokens over 512), the render and the prefill answered 400 and the set exited 12.
+
+`extended` (kept out of CI for time): the same set on loopback, its answers compared with a
+single plain instance started beside it:
 
 Three prompts of two or more whole KV blocks (ExampleConnector stores and loads whole blocks of
 32 tokens, and keys them by the prompt's tokens) go through the proxy and to a plain instance of
 the same model, args and series, started beside the set. At temperature 0 the text must be
-equal and every token's logprob within LOGPROB_TOL (measured here: 0.0). The decode log must
+equal and every token's logprob within LOGPROB_TOL (measured here: 0.0 through the former
+proxy, 2.8e-17 through vllm-router). The decode log must
 show one `Inject KV cache of N tokens` per prompt, N the prompt's whole blocks before its last
 token: the answers came from KV the decode instance received, not from a recompute. The set
 must still be serving afterwards: the decode role forbids the line ExampleConnector prints when
@@ -42,7 +46,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Bed, set_records
+from cluster_helpers import Bed, print_set_memory, set_records
 
 from m3patch.cluster.local_launcher import TEARDOWN_S
 from m3patch.markers import MarkerSpec, check_log_bytes, regex_text
@@ -81,6 +85,8 @@ def variants(tmp_path: Path, kv_dir: Path, netns: bool = False) -> tuple[Path, P
         kv["kv_connector_extra_config"]["shared_storage_path"] = str(kv_dir)
     data["topology"]["roles"]["decode"]["markers"]["required"][0]["text"] = \
         f"Shared storage path is {kv_dir}"
+    if netns:  # a liveness probe often enough for the hung node below to be caught quickly
+        data["deadlines"].update({"probe-s": PROBE_S, "request-s": REQUEST_S})
     pd = tmp_path / "cpu_tiny_moe_pd.yaml"
     pd.write_text(yaml.safe_dump(data, sort_keys=False))
     if netns:
@@ -160,6 +166,8 @@ def test_prefill_decode_set_answers_like_a_single_instance(
         pd_and_plain: tuple[Served, Served]) -> None:
     the_set, plain = pd_and_plain
     expected_loads, worst = [], 0.0
+    log_path = the_set.run_dir / "logs" / "decode-0.log"
+    gated = len(log_path.read_bytes())  # the set's own KV probe (kv-arrived) injected before
     for prompt in PROMPTS:
         via_set, set_s = complete(PROXY_PORT, prompt)
         alone, alone_s = complete(SINGLE_PORT, prompt)
@@ -177,7 +185,7 @@ def test_prefill_decode_set_answers_like_a_single_instance(
     for served in (the_set, plain):  # no gate ended the set or the plain instance
         assert served.proc.poll() is None, served.err.read_text()
 
-    decode_log = (the_set.run_dir / "logs" / "decode-0.log").read_bytes()
+    decode_log = log_path.read_bytes()[gated:]
     injected = MarkerSpec("kv-injected", "required", regex_text(INJECTED.pattern), "this test",
                           count=len(PROMPTS))
     skipped = MarkerSpec("kv-load-skipped", "forbidden",
@@ -190,6 +198,7 @@ def test_prefill_decode_set_answers_like_a_single_instance(
 # ------------------------------------------------------------------ across network namespaces
 
 SET = "set-netns-pd"
+PROBE_S, REQUEST_S = 5, 20  # the netns set's deadlines.probe-s and request-s
 HOSTS = {"prefill": 0, "decode": 1, "proxy": 2}
 PORTS = {"prefill": 8786, "decode": 8787, "proxy": PROXY_PORT}
 
@@ -210,7 +219,6 @@ def stream(url: str, prompt: str) -> list[str]:
     return pieces
 
 
-@pytest.mark.extended  # fails today: vllm-router 0.1.17's render call is refused by vLLM 0.32 (below)
 def test_pd_set_across_namespaces_through_vllm_router(
         netns_bed: Bed, router_venv: Path, cpu_venv: Path, tiny_model: Path,
         tmp_path: Path) -> None:
@@ -259,25 +267,34 @@ def test_pd_set_across_namespaces_through_vllm_router(
         # the set was gated on KV arriving at the decode node (kv-arrived)
         decode_log = (run_dir / "logs" / "decode-0.log").read_text()
         assert "Inject KV cache of" in decode_log
-        # a plain request from the machine through the router's own address answers as the
-        # decode instance asked directly (temperature 0), and it came from received KV
-        router = bed.address(2)
-        prompt = PROMPTS[0]
-        loads_before = len(INJECTED.findall(decode_log))
-        via_router, _ = complete(PROXY_PORT, prompt, host=router)
-        direct, _ = complete(8787, prompt, host=bed.address(1))
-        assert via_router["choices"][0]["text"] == direct["choices"][0]["text"]
-        for _ in range(50):  # the engine's log line reaches the file a moment after the reply
-            decode_log = (run_dir / "logs" / "decode-0.log").read_text()
-            if len(INJECTED.findall(decode_log)) > loads_before:
-                break
-            time.sleep(0.1)
-        assert len(INJECTED.findall(decode_log)) > loads_before
+        # through the router's own address, each prompt answers as a single instance of the same
+        # model and args computing it alone (the prefill instance asked directly, temperature 0),
+        # and from KV the decode node received: one inject of the prompt's whole blocks each
+        router, worst = bed.address(2), 0.0
+        for prompt in PROMPTS:
+            loads_before = len(INJECTED.findall(decode_log))
+            via_router, _ = complete(PROXY_PORT, prompt, host=router)
+            alone, _ = complete(PORTS["prefill"], prompt, host=bed.address(0))
+            got, want = via_router["choices"][0], alone["choices"][0]
+            assert got["text"] == want["text"], (prompt, got["text"], want["text"])
+            worst = max(worst, *(abs(a - b) for a, b in zip(
+                got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True)))
+            for _ in range(50):  # the engine's log line reaches the file a moment after the reply
+                decode_log = (run_dir / "logs" / "decode-0.log").read_text()
+                if len(INJECTED.findall(decode_log)) > loads_before:
+                    break
+                time.sleep(0.1)
+            loads = [int(n) for n in INJECTED.findall(decode_log)[loads_before:]]
+            tokens = via_router["usage"]["prompt_tokens"]
+            assert loads == [whole_blocks_before_last(tokens)], (prompt, tokens, loads)
+        assert worst <= LOGPROB_TOL, worst
         # streaming works through the router (the sweep's client always streams)
         pieces = stream(f"http://{router}:{PROXY_PORT}", PROMPTS[1])
         assert len(pieces) > 1 and "".join(pieces)
         for role, proc in procs.items():
             assert proc.poll() is None, (role, errs[role].read_text())
+        print_set_memory("pd", set_records(run_dir, SET))
+        hung_decode_ends_the_set(bed, run_dir, procs, errs)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -290,3 +307,53 @@ def test_pd_set_across_namespaces_through_vllm_router(
                 proc.wait()
     for pgid in pgids:
         assert group_members(pgid) == [], f"process group {pgid} outlived the set"
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T); a process that is gone counts as not stopped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def hung_decode_ends_the_set(bed: Bed, run_dir: Path, procs: dict[str, subprocess.Popen[str]],
+                             errs: dict[str, Path]) -> None:
+    """The decode node hangs but stays alive: every process of its server except the API server
+    is SIGSTOPped (the engine and its worker), so /health still answers 200 and only a
+    completion shows the hang. Its liveness probe must catch it within one probe interval plus
+    request-s, end it with 18 naming decode/0, and the other nodes must stop with 26 naming it.
+    A process of the test's own on the decode host, outside the set, is never signalled."""
+    records = set_records(run_dir, SET)
+    decode = next(r for r in records.values() if r.role == "decode")
+    assert decode.pgid is not None
+    bystander = bed.popen(1, ["sleep", "600"], start_new_session=True)
+    try:
+        engine = [pid for pid in group_members(decode.pgid) if pid != decode.pgid]
+        assert engine, "the decode server has no engine process to stop"
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        hung = time.monotonic()
+        health = f"http://{bed.address(1)}:{PORTS['decode']}/health"
+        with urllib.request.urlopen(health, timeout=5) as reply:  # the hang /health cannot see
+            assert reply.status == 200
+        bound = PROBE_S + REQUEST_S + 10  # one interval, the probe's own bound, the watch loop
+        while (record := set_records(run_dir, SET)[decode.node]).state != "exited":
+            assert time.monotonic() - hung < bound, errs["decode"].read_text()[-3000:]
+            time.sleep(0.5)
+        caught = time.monotonic() - hung
+        print(f"pd: hung decode caught in {caught:.1f} s (probe-s {PROBE_S}, request-s {REQUEST_S})")
+        for proc in procs.values():
+            proc.wait(timeout=TEARDOWN_S + 60)
+        assert procs["decode"].returncode == 18, errs["decode"].read_text()[-3000:]
+        assert record.exit_code == 18 and "node decode/0 is alive but did not complete" in \
+            record.reason, record
+        for role in ("prefill", "proxy"):
+            assert procs[role].returncode == 26, (role, errs[role].read_text()[-3000:])
+            assert "node decode/0" in errs[role].read_text(), (role, errs[role].read_text())
+        assert bystander.poll() is None and not _stopped(bystander.pid)
+    finally:
+        for pid in group_members(bystander.pid):
+            os.kill(pid, signal.SIGKILL)
+        bystander.wait()

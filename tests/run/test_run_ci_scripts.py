@@ -1,7 +1,8 @@
 """CI's check of the demo's printed output (scripts/ci/check_demo_output.py) on a real demo log.
 
-tests/data/demo/: the tail of `bash scripts/demo.sh` on the 2-core machine (2026-12-01, the
-osl-16 workload; checkout and home paths made relative) and that run's aggregate.json.
+tests/data/demo/: the output of the demo's main job, `m3patch ci recipes/cpu_tiny_moe.yaml`, on the
+2-core machine (2026-12-02, the trained tiny model, floor 0.875; the run folder's path written
+as RUN_DIR, the checkout's as ./) and that run's aggregate.json, with the accuracy gate's score in both.
 """
 
 from __future__ import annotations
@@ -35,18 +36,58 @@ def test_the_real_demo_table_passes() -> None:
     assert _checker().table_problems(lines, rows) == []
 
 
+def _edit_cell_line(lines: list[str], concurrency: int, edit: object) -> list[str]:
+    """The log with the table line of one concurrency edited (a list of cells -> a line, or
+    None to drop it)."""
+    check = _checker()
+    header = next(check.cells_of(line) for line in lines if "TPOT p50 ms" in line)
+    out = []
+    for line in lines:
+        cells = check.cells_of(line)
+        if len(cells) == len(header) and cells[2] == str(concurrency):
+            assert callable(edit)
+            line = edit(header, cells)
+            if line is None:
+                continue
+        out.append(line)
+    return out
+
+
 def test_a_degenerate_tpot_printed_as_a_number_fails() -> None:
     lines, rows = _inputs()
-    bad = [line.replace("│ 5.9         │", "│ 0.0         │") for line in lines]
-    assert _checker().table_problems(bad, rows) == ["32/16 c1: TPOT 0.0 ms printed as a number"]
+
+    def zero_tpot(header: list[str], cells: list[str]) -> str:
+        cells[header.index("TPOT p50 ms")] = "0.0"
+        return "  ".join(cells)
+
+    label = f"{rows[0]['isl']}/{rows[0]['osl']}"
+    assert _checker().table_problems(_edit_cell_line(lines, 1, zero_tpot), rows) == [
+        f"{label} c1: TPOT 0.0 ms printed as a number"]
 
 
 def test_a_missing_table_or_cell_line_fails() -> None:
     lines, rows = _inputs()
     check = _checker()
     assert check.table_problems([line for line in lines if "per-GPU results" not in line], rows)
-    without_c4 = [line for line in lines if "│ 4    │" not in line]
-    assert check.table_problems(without_c4, rows) == ["no table line for 32/16 at concurrency 4"]
+    without_c4 = _edit_cell_line(lines, 4, lambda header, cells: None)
+    label = f"{rows[0]['isl']}/{rows[0]['osl']}"
+    assert check.table_problems(without_c4, rows) == [f"no table line for {label} at concurrency 4"]
+
+
+def test_the_score_must_sit_beside_every_throughput_line() -> None:
+    lines, rows = _inputs()
+    check = _checker()
+    no_column = [line.replace("Accuracy", "") for line in lines]
+    assert check.table_problems(no_column, rows) == [
+        "the results table has no Accuracy column (the gate's score beside the rows)"]
+
+    def blank_score(header: list[str], cells: list[str]) -> str:
+        cells[header.index("Accuracy")] = "-"
+        return "  ".join(cells)
+
+    label = f"{rows[0]['isl']}/{rows[0]['osl']}"
+    assert check.table_problems(_edit_cell_line(lines, 2, blank_score), rows) == [
+        f"{label} c2: Accuracy '-'"]
 
 
 def test_the_gate_must_pass_a_real_score_against_a_real_floor(tmp_path: Path) -> None:
@@ -56,3 +97,9 @@ def test_the_gate_must_pass_a_real_score_against_a_real_floor(tmp_path: Path) ->
         assert (check.gate_problems(record) == []) is ok, (score, floor)
     record.write_text("{}")
     assert check.gate_problems(record) == [f"{record}: no single task with a score and a floor"]
+    # the aggregate must carry the same score, floor and verdict
+    record.write_text(json.dumps({"tasks": [{"score": 1.0, "min": 0.875}]}))
+    same = [{"task": "tiny_arith", "score": 1.0, "min": 0.875, "passed": True}]
+    assert check.gate_problems(record, same) == []
+    for evals in ([], [{**same[0], "score": 0.5}], [{**same[0], "passed": False}], {"x": 1}):
+        assert check.gate_problems(record, evals), evals

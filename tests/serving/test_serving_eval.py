@@ -123,8 +123,14 @@ def test_a_wrong_moe_kernel_passes_the_markers_and_fails_the_gate_the_real_serie
     assert float(found) < SHIPPED_FLOOR
     assert (f"accuracy gate failed: tiny_arith exact_match,strict-match = {found}, "
             f"below min {SHIPPED_FLOOR:g}") in done.stderr
-    # The sweep ran first and its results stay: cells, aggregate, plots.
+    # The sweep ran first and its results stay: cells, aggregate, plots; the failing score sits
+    # beside the throughput rows, in the table and in aggregate.json.
     assert len(list((run / "cells").glob("*.json"))) == 1 and (run / "aggregate.json").is_file()
+    (row,) = json.loads((run / "aggregate.json").read_text())["evals"]
+    assert (row["task"], row["score"], row["min"], row["passed"]) == (
+        "tiny_arith", float(found), SHIPPED_FLOOR, False)
+    # (ci tees every step's output to stderr: its stdout stays for what a workflow parses)
+    assert f"tiny_arith {float(found):.4f} (min {SHIPPED_FLOOR:g}) FAILED" in done.stderr
     record = json.loads((run / "eval" / "eval.json").read_text())
     assert record["passed"] is False and record["tasks"][0]["samples"] == 32
     assert record["provenance"]["verified"] is True and record["provenance"]["ledger_sha256"]
@@ -139,6 +145,11 @@ def test_a_wrong_moe_kernel_passes_the_markers_and_fails_the_gate_the_real_serie
     assert done.returncode == 0, done.stderr[-3000:]
     (found,) = SCORE.findall(done.stderr)
     assert float(found) >= max(SHIPPED_FLOOR, 0.9) and SHIPPED_FLOOR > 0  # the shipped seed adds
+    table = done.stderr.split("per-GPU results", 1)[1]
+    assert "Accuracy" in table and f"tiny_arith {float(found):.4f} (min {SHIPPED_FLOOR:g}) ok" in table
+    (row,) = json.loads((tmp_path / "real-run" / "aggregate.json").read_text())["evals"]
+    assert (row["score"], row["score_name"], row["n_eff"], row["passed"]) == (
+        float(found), "em_strict", 32, True)
     real_scores["eval.json"] = tmp_path / "real-run" / "eval" / "eval.json"
 
 

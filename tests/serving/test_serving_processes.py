@@ -8,6 +8,7 @@ ignored stands in; it forks a grandchild into its group to show the whole group 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -68,6 +69,19 @@ def test_a_group_that_goes_on_the_first_signal_gets_no_other(tmp_path: Path) -> 
     status = stop_group(proc, (StopRung(signal.SIGTERM, 5.0), StopRung(signal.SIGKILL, 5.0)))
     assert status == -signal.SIGTERM and group_members(proc.pid) == []
     assert time.monotonic() - started < 2.0
+
+
+def test_a_stopped_group_is_continued_to_act_on_the_graceful_signal(tmp_path: Path) -> None:
+    """A hung node's processes may be stopped (SIGSTOP, or a debugger): SIGINT stays pending on
+    a stopped process, so without a SIGCONT the ladder waits out the rung and ends in SIGKILL."""
+    log = tmp_path / "stopped.log"
+    proc = _start("import os, time\nif os.fork() == 0:\n    time.sleep(600)\n"
+                  "print('ready', flush=True)\ntime.sleep(600)\n", log)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    status = stop_group(proc, (StopRung(signal.SIGINT, 10.0), StopRung(signal.SIGKILL, 5.0)))
+    assert status != -signal.SIGKILL and group_members(proc.pid) == []
+    assert time.monotonic() - started < 5.0
 
 
 def test_a_leader_already_gone_is_not_signalled(tmp_path: Path) -> None:

@@ -220,7 +220,9 @@ def make_box(base: Path) -> Box:
     state = root / "vllm" / ".m3patch"
     box.states = {"ledger.json": (state / "ledger.json").read_bytes(),
                   "series.lock.json": (series / "series.lock.json").read_bytes(),
-                  "aggregate.json": (run / "aggregate.json").read_bytes()}
+                  "aggregate.json": _with_evals((run / "aggregate.json").read_bytes()),
+                  # written before aggregates kept the scores: compare reads eval/eval.json
+                  "aggregate-without-evals": (run / "aggregate.json").read_bytes()}
     box.states["journal.json"] = json.dumps({"phase": "commit", "ledger": box.states[
         "ledger.json"].decode(), "entries": [
         {"path": p, "pre": _digest(box.pristine[p]) if box.pristine[p] is not None else None,
@@ -233,6 +235,15 @@ def make_box(base: Path) -> Box:
         "verified": True}, "tasks": [{"task": "t", "metric": "acc", "score": 0.9, "samples": 10,
                                       "passed": True}]}).encode()
     return box
+
+
+def _with_evals(aggregate: bytes) -> bytes:
+    """The recorded aggregate as a gated run writes it: the eval's scores beside the rows."""
+    data = json.loads(aggregate)
+    data["evals"] = [{"task": "t", "metric": "acc,none", "score_name": "accuracy", "score": 0.9,
+                      "score_se": 0.01, "n_eff": 10, "min": 0.5, "baseline": 0.91,
+                      "max_drop": 0.05, "drop": 0.01, "passed": True}]
+    return json.dumps(data).encode()
 
 
 def _lies(box: Box) -> list[Any]:
@@ -291,7 +302,8 @@ def run_target(box: Box, name: str) -> Target:
     def run(rng: random.Random, _: Path) -> tuple[list[str], str]:
         for sub in ("aggregate.json", "eval"):
             _remove(box.run / sub)
-        _put(box.run / "aggregate.json", box.states["aggregate.json"])
+        _put(box.run / "aggregate.json",
+             box.states["aggregate.json" if name == "aggregate.json" else "aggregate-without-evals"])
         (box.run / "eval").mkdir()
         (box.run / "eval" / "eval.json").write_bytes(box.states["eval.json"])
         where = box.run / "eval" / "eval.json" if name == "eval.json" else box.run / name

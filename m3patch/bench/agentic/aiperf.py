@@ -10,23 +10,29 @@ the server's `/metrics` scraped, a fixed random seed.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.bench.cells import AgenticCell
 from m3patch.errors import AgenticClientError, M3PatchError
 from m3patch.fsio import path_is
-from m3patch.recipe.agentic import AgenticScenario, TraceSource
+from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
+from m3patch.recipe.model_files import env_hub_cache
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 
 AIPERF_VERSION = "0.13.0"
 SETUP_HINT = "bash scripts/setup/setup_aiperf.sh (or set sweep.client.python / M3PATCH_AIPERF_PYTHON)"
 VERSION_PROBE_S = 60.0
-# AIPerf 0.13.0's offline mode resolves a tokenizer through the hub cache only and refuses a
-# local folder (common/tokenizer.py, _from_pretrained_local): for a local tokenizer the client
-# runs without the offline switches; a local path is never looked up on the hub.
-OFFLINE_KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# AIPerf 0.13.0 resolves a tokenizer offline through the hub cache only and refuses a local
+# folder (common/tokenizer.py, _resolve_local_snapshot); its hash_id prompt synthesis (Mooncake
+# and Weka traces) forces offline mode in its decode workers. A local tokenizer is therefore
+# handed to it as a repo of a hub cache of the run's own (links to the folder's files, and to the
+# trace dataset's real cache entry), always offline: never looked up on the hub.
+LOCAL_TOKENIZER_REPO = "m3patch-local/tokenizer"
+VIEW_REVISION = "local"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,13 @@ def trace_args(trace: TraceSource) -> list[str]:
         return ["--input-file", str(trace.path), "--custom-dataset-type", str(trace.loader)]
     if trace.kind == "public-dataset":
         return ["--public-dataset", str(trace.loader)]
+    if trace.kind == AGENTIC_CODE:
+        # The synthesized Mooncake trace, the run's validated copy (synthesize.for_run). Its first
+        # rows carry timestamps, which would switch AIPerf to a timed replay: the cell's
+        # concurrency drives it instead, the sessions' delays kept.
+        assert trace.path is not None and trace.block_size is not None
+        return ["--input-file", str(trace.path), "--custom-dataset-type", "mooncake_trace",
+                "--isl-block-size", str(trace.block_size), "--no-fixed-schedule"]
     synth = dict(trace.synthetic)
     return ["--conversation-num", str(synth["conversations"]),
             "--conversation-turn-mean", str(synth["turns"]), "--conversation-turn-stddev", "0",
@@ -58,7 +71,8 @@ def trace_args(trace: TraceSource) -> list[str]:
 
 def seed_of(trace: TraceSource, seed: int) -> int:
     """A synthesized trace carries its own seed (the sessions are part of the recipe)."""
-    return dict(trace.synthetic).get("seed", seed) if trace.kind == "synthetic" else seed
+    own = trace.kind in ("synthetic", AGENTIC_CODE)
+    return dict(trace.synthetic).get("seed", seed) if own else seed
 
 
 def aiperf_argv(python: str, target: AgenticTarget, cell: AgenticCell,
@@ -89,13 +103,38 @@ def _scalar(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def client_env(tokenizer: str) -> dict[str, str]:
-    """The server's loopback-only settings; without the offline switches for a local tokenizer."""
+def client_env(view: Path | None) -> dict[str, str]:
+    """The server's loopback-only settings (hub offline); with a tokenizer view, its hub cache."""
     env = {**os.environ, **dict(LOOPBACK_ENV)}
-    if Path(tokenizer).is_dir():
-        for key in OFFLINE_KEYS:
-            env.pop(key, None)
+    if view is not None:
+        env["HF_HUB_CACHE"] = str(view)
     return env
+
+
+def _repo_folder(kind: str, repo: str) -> str:
+    return f"{kind}--{repo.replace('/', '--')}"
+
+
+def tokenizer_view(target: AgenticTarget, trace: TraceSource, view: Path,
+                   env: Mapping[str, str]) -> tuple[AgenticTarget, Path | None]:
+    """For a local tokenizer folder: `view` laid out as a hub cache holding it as
+    LOCAL_TOKENIZER_REPO (and a link to the trace dataset's entry in the real cache), and the
+    target naming that repo. A hub tokenizer: the target unchanged, no view."""
+    folder = Path(target.tokenizer)
+    if not folder.is_dir():
+        return target, None
+    shutil.rmtree(view, ignore_errors=True)  # the run's own: rebuilt from the folder each time
+    repo = view / _repo_folder("models", LOCAL_TOKENIZER_REPO)
+    snapshot = repo / "snapshots" / VIEW_REVISION
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(VIEW_REVISION)
+    for item in sorted(folder.resolve().iterdir()):
+        (snapshot / item.name).symlink_to(item)
+    if trace.kind == "public-dataset" and trace.dataset:
+        real = env_hub_cache(env) / _repo_folder("datasets", trace.dataset)
+        (view / real.name).symlink_to(real)
+    return replace(target, tokenizer=LOCAL_TOKENIZER_REPO), view
 
 
 def check_client(python: str) -> str:

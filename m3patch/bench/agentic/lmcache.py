@@ -29,6 +29,7 @@ from m3patch.recipe.agentic import (
     LMCACHE_HOST,
     LMCACHE_HTTP_PORT_BASE,
     LMCACHE_PORT_BASE,
+    LMCACHE_TRANSFER_MODE,
     KvOffload,
 )
 from m3patch.serving.processes import StopRung, start_group, stop_group
@@ -70,7 +71,8 @@ def shard_gb(budget_gb: int, tp: int) -> int:
     return per_rank
 
 
-def plan_shards(lmcache: str, budget_gb: int, tp: int) -> tuple[ShardPlan, ...]:
+def plan_shards(lmcache: str, budget_gb: int, tp: int,
+                mode: str = LMCACHE_TRANSFER_MODE) -> tuple[ShardPlan, ...]:
     """InferenceX's per-rank `lmcache server` command lines (pure)."""
     l1 = shard_gb(budget_gb, tp)
     plans = []
@@ -80,7 +82,7 @@ def plan_shards(lmcache: str, budget_gb: int, tp: int) -> tuple[ShardPlan, ...]:
                 "--http-host", LMCACHE_HOST, "--http-port", str(http_port),
                 "--l1-size-gb", str(l1), "--l1-init-size-gb", str(min(10, l1)),
                 "--l1-read-ttl-seconds", "7200", "--chunk-size", "256", "--max-workers", "2",
-                "--eviction-policy", "LRU", "--supported-transfer-mode", "lmcache_driven")
+                "--eviction-policy", "LRU", "--supported-transfer-mode", mode)
         plans.append(ShardPlan(rank, argv, port, http_port))
     return tuple(plans)
 
@@ -146,9 +148,11 @@ def servers(plans: Sequence[ShardPlan], log_dir: Path, *, env: dict[str, str] | 
             stop_group(proc, STOP_LADDER)
 
 
-def row_servers(kv: KvOffload, budget_gb: int, tp: int, python: str,
-                log_dir: Path) -> contextlib.AbstractContextManager[tuple[Path, ...]]:
-    """The LMCache set a row's server needs (nothing for another tier)."""
+def row_servers(kv: KvOffload, budget_gb: int, tp: int, python: str, log_dir: Path,
+                mode: str = LMCACHE_TRANSFER_MODE,
+                ) -> contextlib.AbstractContextManager[tuple[Path, ...]]:
+    """The LMCache set a row's server needs (nothing for another tier); `mode` is the transfer
+    mode the row's connector uses (recipe.agentic.lmcache_transfer_mode)."""
     if kv.backend != "lmcache":
         return contextlib.nullcontext(())
-    return servers(plan_shards(lmcache_binary(python), budget_gb, tp), log_dir)
+    return servers(plan_shards(lmcache_binary(python), budget_gb, tp, mode), log_dir)

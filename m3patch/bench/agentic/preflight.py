@@ -1,5 +1,6 @@
 """What an agentic run checks before any server starts: AIPerf installed at the pinned version,
-the trace on disk (a local file, or the hub dataset in the cache: the client runs offline), and
+the trace on disk (a local file, the hub dataset in the cache: the client runs offline, or an
+agentic-code trace synthesized from its manifest into the cache), and
 LMCache installed at the recipe's pinned version where a row asks for it.
 
 `trace_missing` / `fetch_trace` are what `model check` / `model fetch` use for the trace dataset,
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from m3patch.bench.agentic.aiperf import check_client
 from m3patch.bench.agentic.lmcache import check_lmcache
+from m3patch.bench.agentic.synthesize import synthesized
 from m3patch.errors import AgenticClientError, ModelMissing
 from m3patch.eval.datasets import dataset_folder, run_fetch
-from m3patch.recipe.agentic import AgenticScenario, TraceSource
+from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache
 
 FETCH_TIMEOUT_S = 3600
@@ -38,6 +40,10 @@ def trace_missing(trace: TraceSource, env: Mapping[str, str] | None = None) -> s
         present = snapshots.is_dir() and any(p.is_dir() and any(p.iterdir())
                                              for p in snapshots.iterdir())
         return None if present else f"trace dataset {trace.dataset} is not in {cache}"
+    if trace.kind == AGENTIC_CODE:
+        assert trace.manifest is not None
+        return (None if trace.manifest.is_file()
+                else f"agentic-code manifest {trace.manifest} does not exist")
     return None
 
 
@@ -45,6 +51,8 @@ def require_trace(trace: TraceSource, recipe_path: Path) -> None:
     problem = trace_missing(trace)
     if problem is not None:
         fix = (f"m3patch model fetch {recipe_path}" if trace.kind == "public-dataset"
+               else f"put the manifest there, or correct sweep.trace.agentic-code.manifest in "
+                    f"{recipe_path}" if trace.kind == AGENTIC_CODE
                else f"put the trace file there, or correct sweep.trace.file in {recipe_path}")
         msg = f"{recipe_path}: {problem}"
         raise ModelMissing(msg, hint=fix)
@@ -65,9 +73,15 @@ def preflight(scenario: AgenticScenario, recipe_path: Path, serving_python: str)
     """Every check that needs no server; a one-line summary for the recipe step."""
     version = check_client(scenario.client_python)
     require_trace(scenario.trace, recipe_path)
+    made = ""
+    if scenario.trace.kind == AGENTIC_CODE:
+        # Synthesized (or its cache entry checked) now: a manifest AIPerf refuses stops the run
+        # before any server starts.
+        trace = synthesized(scenario.trace, scenario.client_python)
+        made = f" ({trace.summary.sessions} sessions, {trace.summary.rows} turns)"
     pins = sorted({row.kv_offload.version for row in scenario.rows
                    if row.kv_offload.backend == "lmcache" and row.kv_offload.version})
     for pin in pins:
         check_lmcache(serving_python, pin)
     lmcache = f"; LMCache {', '.join(pins)}" if pins else ""
-    return f"AIPerf {version}; trace {scenario.trace.label}{lmcache}"
+    return f"AIPerf {version}; trace {scenario.trace.label}{made}{lmcache}"

@@ -93,8 +93,9 @@ def read_agentic_cell(path: Path) -> dict[str, Any]:
     return data
 
 
-def finished(path: Path, cell: AgenticCell) -> bool:
-    """For --resume: a valid file for exactly this cell."""
+def finished(path: Path, cell: AgenticCell, trace_key: str | None = None) -> bool:
+    """For --resume: a valid file for exactly this cell; with `trace_key`, measured on that
+    synthesized trace (an edited manifest keeps its name, not its sessions)."""
     if not path.is_file():
         return False
     try:
@@ -104,6 +105,10 @@ def finished(path: Path, cell: AgenticCell) -> bool:
         data = read_agentic_cell(path)
     except ResultsInvalid:
         return False
+    if trace_key is not None:
+        replayed = data["m3patch"]["provenance"].get("agentic_trace")
+        if not isinstance(replayed, dict) or replayed.get("key") != trace_key:
+            return False
     return bool(data["m3patch"]["cell"] == cell_record(cell))
 
 

@@ -6,6 +6,8 @@ the one stop ladder whatever ends the wait), the gauges sampled while it runs, /
 again; AIPerf's records scored (agentic.scoring) and the cell file written with its export.
 
     cells/<cell_id>.json   the scored cell (agentic.results)
+    trace/dataset.jsonl    an agentic-code trace as this run replayed it (agentic.synthesize)
+    hub-view/              a local tokenizer laid out as a hub cache for AIPerf (agentic.aiperf)
     raw/<cell_id>/         AIPerf's artifacts (profile_export*.json/.jsonl/.csv, server metrics)
     logs/<cell_id>.log     AIPerf's output
 """
@@ -13,13 +15,21 @@ again; AIPerf's records scored (agentic.scoring) and the cell file written with 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from m3patch.bench.agentic import metrics as scrape
-from m3patch.bench.agentic.aiperf import AgenticTarget, aiperf_argv, check_client, client_env
+from m3patch.bench.agentic import synthesize
+from m3patch.bench.agentic.aiperf import (
+    AgenticTarget,
+    aiperf_argv,
+    check_client,
+    client_env,
+    tokenizer_view,
+)
 from m3patch.bench.agentic.results import cell_document, finished
 from m3patch.bench.agentic.scoring import score
 from m3patch.bench.aggregate import CELLS_DIR, write_aggregate
@@ -34,6 +44,7 @@ from m3patch.recipe.agentic import AgenticScenario
 EXPORT_JSON = "profile_export_aiperf.json"
 RECORDS_JSONL = "profile_export.jsonl"
 SERVER_METRICS_JSON = "server_metrics_export.json"
+TOKENIZER_VIEW = "hub-view"  # a local tokenizer, as AIPerf's offline mode finds one (aiperf.py)
 
 
 def run_agentic_sweep(
@@ -44,16 +55,23 @@ def run_agentic_sweep(
 ) -> SweepOutcome:
     version = check_client(scenario.client_python)
     prepare_run_dir(settings)
+    # A synthesized trace: replayed from the run's own checked copy, its sha256 in every cell.
+    scenario, trace_record = synthesize.for_run(scenario, settings.run_dir)
+    if trace_record:
+        provenance = {**provenance, "agentic_trace": trace_record}
+    target, view = tokenizer_view(target, scenario.trace, settings.run_dir / TOKENIZER_VIEW,
+                                  os.environ)
     measured, skipped = [], []
     with progress(len(cells), "agentic sweep") as advance:
         for cell in cells:
             cell_file = settings.run_dir / CELLS_DIR / f"{cell.cell_id}.json"
-            if settings.resume and finished(cell_file, cell):
+            if settings.resume and finished(cell_file, cell, trace_record.get("key")):
                 skipped.append(cell.cell_id)
                 advance(f"{cell.cell_id} (kept)")
                 continue
             check_server()
-            document = measure(cell, scenario, target, settings, deadline_for(cell), check_server)
+            document = measure(cell, scenario, target, settings, deadline_for(cell), check_server,
+                               view)
             document["m3patch"].update(provenance=provenance, aiperf_version=version)
             document["allocated_cpu_dram_gb"] = (
                 scenario.dram_budget_gb(cell.parallelism.gpu_count)
@@ -68,8 +86,8 @@ def run_agentic_sweep(
 
 
 def measure(cell: AgenticCell, scenario: AgenticScenario, target: AgenticTarget,
-            settings: SweepSettings, deadline_s: float,
-            check_server: Callable[[], None]) -> dict[str, Any]:
+            settings: SweepSettings, deadline_s: float, check_server: Callable[[], None],
+            view: Path | None = None) -> dict[str, Any]:
     """One cell: scrape, replay, scrape; the scored document (provenance filled by the caller)."""
     run_dir = settings.run_dir
     artifacts = run_dir / RAW_DIR / cell.cell_id
@@ -79,7 +97,7 @@ def measure(cell: AgenticCell, scenario: AgenticScenario, target: AgenticTarget,
     argv = aiperf_argv(scenario.client_python, target, cell, scenario, artifacts, settings.seed)
     run = run_client(argv, cell_id=cell.cell_id, log_path=log_path, deadline_s=deadline_s,
                      check_server=scrape.sampling(target.base_url, cell_metrics, check_server),
-                     env=client_env(target.tokenizer), client="aiperf profile")
+                     env=client_env(view), client="aiperf profile")
     check_server()  # a server that died at the very end must not leave a plausible result
     cell_metrics.after = scrape.scrape(target.base_url)
     cell_metrics.sample(cell_metrics.after)
