@@ -278,7 +278,9 @@ def cache_target(world: World, name: str) -> sf.Target:
     with env(M3PATCH_CACHE=str(world.cache)):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             from m3patch.main import main
+            from m3patch.patching import memo
 
+            memo._STATE["read_only"] = False  # an earlier read-only command in this process
             main(["revert", *tree])
             main(["apply", "--verify", *tree])
         patch = sorted(box.series.glob("*.patch"))[0]
