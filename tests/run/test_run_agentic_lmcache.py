@@ -4,8 +4,8 @@
 for TP 1 with the row's DRAM budget, healthy before vLLM starts, the connector's log line gated,
 the sessions replayed, the server stopped with the set.
 
-Opt-in: it needs that venv (M3PATCH_LMCACHE_VENV, default ~/.cache/m3patch/lmcache-cpu-venv),
-which CI does not build; without it the test is skipped and says how to build it.
+It needs that venv (M3PATCH_LMCACHE_VENV, default ~/.cache/m3patch/lmcache-cpu-venv), which
+scripts/test.sh builds (and so CI); a plain pytest run without it skips and says how to build it.
 """
 
 from __future__ import annotations
