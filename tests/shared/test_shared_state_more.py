@@ -146,6 +146,12 @@ def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
     is_dir / is_file / exists); now each says which series or recipe it cannot find (2), and a
     python that long is one this machine does not have."""
     long = "x" * 10_000
+    # The model on disk whatever this machine has built so far, so `bench` reaches the series.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("M3PATCH_TINY_MODEL", str(model))
     recipe = tmp_path / "recipe.yaml"
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     recipe.write_text("\n".join(f"series: {long}" if line.startswith("series:") else line
