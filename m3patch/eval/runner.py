@@ -11,6 +11,7 @@ raised once every task has run.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from m3patch.eval.harness import (
     run_harness,
 )
 from m3patch.eval.scores import TaskVerdict, baseline_score, judge, task_score
-from m3patch.fsio import read_json, write_json_atomic
+from m3patch.fsio import owned_dir, read_json, write_json_atomic
 from m3patch.output import info
 from m3patch.recipe.evals import EvalSpec, EvalTask
 
@@ -66,7 +67,10 @@ def evaluate(spec: EvalSpec, run_dir: Path, endpoint: Endpoint, *,
     started = time.monotonic()
     record = run_dir / EVAL_DIR / EVAL_FILE
     # An earlier eval's record must never stand for this one (its scores would reach the run's
-    # aggregate.json and table if this eval stopped before writing its own).
+    # aggregate.json and table if this eval stopped before writing its own); deleted only in a
+    # folder of this user's, never through a link planted at RUN/eval (34).
+    if os.path.lexists(record.parent):
+        owned_dir(record.parent)
     record.unlink(missing_ok=True)
     verdicts, runs = [], []
     for task in spec.tasks:

@@ -30,7 +30,7 @@ from m3patch.bench.agentic.synthesize import (
     synthesize_argv,
     synthesized,
 )
-from m3patch.errors import AgenticTraceError
+from m3patch.errors import AgenticTraceError, UnsafeState
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,6 +215,35 @@ def test_a_local_tokenizer_is_handed_over_as_a_hub_cache_repo(tmp_path: Path) ->
     assert env["HF_HUB_CACHE"] == str(view) and env["HF_HUB_OFFLINE"] == "1"
     hub_target = AgenticTarget("http://127.0.0.1:1", "m", "org/model")
     assert tokenizer_view(hub_target, dataset, tmp_path / "v2", {}) == (hub_target, None)
+
+
+def test_a_planted_link_at_the_tokenizer_view_is_refused_never_written_through(
+        tmp_path: Path) -> None:
+    """Before: RUN/hub-view as a link to another folder was emptied silently in vain
+    (rmtree(ignore_errors=True) on a link), then the hub layout was made inside the link's
+    target, and a second run ended in FileExistsError (70). Now the link is refused (34) and
+    the target is left as it was; a view of this run's own is rebuilt each time."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    target = AgenticTarget("http://127.0.0.1:1", "m", str(folder))
+    trace = TraceSource("file", path=tmp_path / "t.jsonl")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("mine")
+    view = tmp_path / "run" / "hub-view"
+    view.parent.mkdir()
+    view.symlink_to(victim)
+    for _ in range(2):
+        with pytest.raises(UnsafeState) as info:
+            tokenizer_view(target, trace, view, {})
+        assert info.value.exit_code == 34 and str(view) in info.value.message
+    assert sorted(p.name for p in victim.iterdir()) == ["keep"]
+    view.unlink()
+    for _ in range(2):  # the run's own view: emptied and made again, no FileExistsError
+        moved, made = tokenizer_view(target, trace, view, {})
+        assert made == view and not view.is_symlink()
+        assert (view / "models--m3patch-local--tokenizer" / "refs" / "main").read_text() == "local"
 
 
 @pytest.mark.skipif(os.environ.get("M3PATCH_SKIP_SERVE") == "1",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from m3patch.bench.runner import health_probe
-from m3patch.errors import EvalError
+from m3patch.errors import EvalError, UnsafeState
 from m3patch.eval import datasets
 from m3patch.eval.harness import Endpoint
 from m3patch.eval.runner import evaluate, preflight
@@ -108,6 +108,24 @@ def test_a_task_that_does_not_load_is_exit_21_with_the_harness_words(
     assert "Tasks not found: no_such_task" in info.value.message  # the log's tail, shown
     assert (tmp_path / "eval" / "no_such_task" / "harness.log").is_file()
     assert not (tmp_path / "eval" / "eval.json").exists()  # no scores: nothing to record
+
+
+def test_a_planted_link_at_the_eval_folder_is_refused_and_nothing_deleted_through_it(
+        tmp_path: Path) -> None:
+    """Before: RUN/eval as a link to another folder had that folder's eval.json deleted (the
+    stale record's unlink went through the link). Now the link is refused (34) before anything
+    is deleted or run; no harness is needed to reach the check."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "eval.json").write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eval").symlink_to(victim)
+    with pytest.raises(UnsafeState) as info:
+        evaluate(spec("/nonexistent/python", task()), run, Endpoint("http://127.0.0.1:9", "m", 30),
+                 check_server=lambda: None, provenance={})
+    assert info.value.exit_code == 34 and str(run / "eval") in info.value.message
+    assert (victim / "eval.json").read_text() == "{}"
 
 
 def test_a_server_dying_mid_eval_stops_the_harness_with_21(

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.bench.cells import AgenticCell
-from m3patch.errors import AgenticClientError, M3PatchError
-from m3patch.fsio import path_is
+from m3patch.errors import AgenticClientError, M3PatchError, TreeIOError
+from m3patch.fsio import owned_dir, owned_dirs, path_is
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache
 from m3patch.serving.launch_plan import LOOPBACK_ENV
@@ -123,10 +123,10 @@ def tokenizer_view(target: AgenticTarget, trace: TraceSource, view: Path,
     folder = Path(target.tokenizer)
     if not folder.is_dir():
         return target, None
-    shutil.rmtree(view, ignore_errors=True)  # the run's own: rebuilt from the folder each time
+    _fresh_view(view)
     repo = view / _repo_folder("models", LOCAL_TOKENIZER_REPO)
     snapshot = repo / "snapshots" / VIEW_REVISION
-    snapshot.mkdir(parents=True)
+    owned_dirs(view, snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(VIEW_REVISION)
     for item in sorted(folder.resolve().iterdir()):
@@ -135,6 +135,20 @@ def tokenizer_view(target: AgenticTarget, trace: TraceSource, view: Path,
         real = env_hub_cache(env) / _repo_folder("datasets", trace.dataset)
         (view / real.name).symlink_to(real)
     return replace(target, tokenizer=LOCAL_TOKENIZER_REPO), view
+
+
+def _fresh_view(view: Path) -> None:
+    """`view` emptied and made again (the run's own, rebuilt from the folder each time) as a
+    real folder this user owns: a link or another user's folder planted there is refused (34),
+    never emptied through nor written through."""
+    if os.path.lexists(view):
+        owned_dir(view)
+        try:
+            shutil.rmtree(view)
+        except OSError as exc:
+            msg = f"{view}: cannot empty the run's tokenizer view: {exc.strerror or exc}"
+            raise TreeIOError(msg, hint=f"remove {view} and run again") from None
+    owned_dir(view, create=True)
 
 
 def check_client(python: str) -> str:
