@@ -40,7 +40,7 @@ from m3patch.bench.results import (
 )
 from m3patch.errors import ResultsInvalid
 from m3patch.eval.compare import EVALS, EvalRow, accuracy_cell, check_evals, evals_of_run
-from m3patch.fsio import read_json, write_bytes_atomic
+from m3patch.fsio import path_is, read_json, write_bytes_atomic
 from m3patch.recipe.agentic import AGENTIC_CODING
 from m3patch.recipe.lengths import CONVENTIONS
 
@@ -306,7 +306,7 @@ def attach_evals(run_dir: Path) -> dict[str, Any]:
 def load_aggregate(path: Path) -> dict[str, Any]:
     """An aggregate.json, or a run folder holding one, or an InferenceX result row (or array of
     rows) read as one; rows checked for the keys compare uses."""
-    file = path / AGGREGATE_JSON if path.is_dir() else path
+    file = path / AGGREGATE_JSON if path_is(path, "dir") else path
     raw = read_json(file, error=ResultsInvalid, hint=FIX_HINT)
     if is_inferencex(raw):
         data = inferencex_aggregate(raw, file)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.errors import VerifyFailed, VersionMismatch, VllmNotFound
+from m3patch.fsio import path_is
 from m3patch.shipped import shipped_dir
 
 ENV_ROOT = "M3PATCH_VLLM_ROOT"
@@ -149,8 +150,9 @@ def describe(root: Path, version: str) -> str:
 def tree_at(path: Path, python: str | None = None) -> VllmTree:
     """A tree from a root (containing vllm/) or from the vllm package dir itself."""
     path = Path(path).absolute()
-    package = path if (path / "_version.py").is_file() and path.name == "vllm" else path / "vllm"
-    if not (package / "__init__.py").is_file():
+    package = (path if path_is(path / "_version.py", "file") and path.name == "vllm"
+               else path / "vllm")
+    if not path_is(package / "__init__.py", "file"):
         msg = f"{path}: no vllm package here (expected {package}/__init__.py)"
         raise VllmNotFound(msg, hint="pass --vllm-root DIR where DIR contains vllm/")
     version, commit = read_version(package)

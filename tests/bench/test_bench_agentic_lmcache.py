@@ -123,3 +123,17 @@ def test_the_trace_dataset_must_be_in_the_hub_cache(tmp_path: Path) -> None:
     missing_file = TraceSource("file", path=tmp_path / "absent.jsonl", loader="mooncake_trace")
     with pytest.raises(ModelMissing, match=r"absent\.jsonl does not exist"):
         require_trace(missing_file, tmp_path / "r.yaml")
+
+
+@pytest.mark.parametrize("kind", ["file", "agentic-code"])
+def test_a_trace_name_longer_than_the_file_system_allows_is_named_as_missing(
+        tmp_path: Path, kind: str) -> None:
+    """Before: a recipe's trace file or agentic-code manifest named over NAME_MAX (255 bytes)
+    ended `model check` in 70 (ENAMETOOLONG from is_file) after it had printed the model files
+    as present; now it is a trace that is not there (19), named."""
+    long = tmp_path / ("x" * 300)
+    trace = (TraceSource("file", path=long, loader="mooncake_trace") if kind == "file"
+             else TraceSource("agentic-code", manifest=long))
+    with pytest.raises(ModelMissing) as info:
+        require_trace(trace, tmp_path / "r.yaml")
+    assert ("x" * 300) in info.value.message

@@ -133,6 +133,16 @@ def test_a_missing_run_folder_exits_17(tmp_path: Path, capsys: pytest.CaptureFix
     assert f"{tmp_path / AGGREGATE_JSON}: missing" in capsys.readouterr().err
 
 
+def test_a_run_name_longer_than_the_file_system_allows_exits_17_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a BASE over NAME_MAX (255 bytes) ended in 70 (ENAMETOOLONG from is_dir); now it
+    is a run that cannot be read, like any missing one, named."""
+    long = tmp_path / ("x" * 300)
+    assert main(["bench", "compare", str(long), str(RUNS / "new")]) == 17
+    err = capsys.readouterr().err
+    assert str(long) in err and "internal error" not in err
+
+
 def test_compare_needs_exactly_two_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "compare", str(RUNS / "base")]) == 2
     assert "takes BASE and NEW" in capsys.readouterr().err

@@ -77,6 +77,16 @@ def test_no_vllm(tmp_path: Path, m3patch_cli: CliRunner) -> None:
     assert "no vllm package importable" in proc.stderr
 
 
+def test_a_vllm_root_longer_than_the_file_system_allows_is_a_root_without_vllm(
+        tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """Before: `apply --vllm-root` over NAME_MAX (255 bytes) ended in 70 (ENAMETOOLONG from
+    is_file); now it is a root without vllm (3), named, like any other."""
+    long = tmp_path / ("x" * 300)
+    proc = m3patch_cli("apply", "--vllm-root", str(long), "--series", "vllm-0.33.0")
+    assert proc.returncode == errors.VllmNotFound.exit_code
+    assert f"{long}: no vllm package here" in proc.stderr and "internal error" not in proc.stderr
+
+
 def test_editable_and_source_checkout(tmp_path: Path) -> None:
     src = mini_tree(tmp_path / "src", "0.33.1.dev12+g4ba787ec9", None)
     (src / ".git").mkdir()

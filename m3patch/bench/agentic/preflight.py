@@ -18,6 +18,7 @@ from m3patch.bench.agentic.lmcache import check_lmcache
 from m3patch.bench.agentic.synthesize import synthesized
 from m3patch.errors import AgenticClientError, ModelMissing
 from m3patch.eval.datasets import dataset_folder, run_fetch
+from m3patch.fsio import path_is
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 from m3patch.recipe.model_files import env_hub_cache
 
@@ -32,17 +33,17 @@ def trace_missing(trace: TraceSource, env: Mapping[str, str] | None = None) -> s
     """Why the trace is not available offline, or None when it is (synthetic needs nothing)."""
     if trace.kind == "file":
         assert trace.path is not None
-        return None if trace.path.is_file() else f"trace file {trace.path} does not exist"
+        return None if path_is(trace.path, "file") else f"trace file {trace.path} does not exist"
     if trace.kind == "public-dataset":
         assert trace.dataset is not None
         cache = env_hub_cache(os.environ if env is None else env)
         snapshots = dataset_folder(cache, trace.dataset) / "snapshots"
-        present = snapshots.is_dir() and any(p.is_dir() and any(p.iterdir())
+        present = path_is(snapshots, "dir") and any(p.is_dir() and any(p.iterdir())
                                              for p in snapshots.iterdir())
         return None if present else f"trace dataset {trace.dataset} is not in {cache}"
     if trace.kind == AGENTIC_CODE:
         assert trace.manifest is not None
-        return (None if trace.manifest.is_file()
+        return (None if path_is(trace.manifest, "file")
                 else f"agentic-code manifest {trace.manifest} does not exist")
     return None
 
