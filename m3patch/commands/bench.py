@@ -17,7 +17,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from m3patch.bench import compare as cmp
-from m3patch.bench.aggregate import load_aggregate
+from m3patch.bench.aggregate import AGGREGATE_JSON, load_aggregate
 from m3patch.bench.changelog_entry import changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.bench.results import write_result
@@ -120,30 +120,38 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _scores(sides: tuple[tuple[Path, dict[str, Any]], ...]
-            ) -> tuple[eval_compare.Scores, eval_compare.Scores] | None:
+            ) -> tuple[tuple[eval_compare.Scores, eval_compare.Scores], str] | None:
     """Each run's scores: its aggregate's `evals` (checked when it was loaded), else the
     eval/eval.json beside it (an aggregate written before it kept them, or an eval run on its
-    own after the sweep); None when neither run has scores."""
+    own after the sweep); with the file they came from, for the table's heading. None when
+    neither run has scores."""
     found: list[eval_compare.Scores | None] = []
+    sources = []
     for path, aggregate in sides:
         rows = aggregate.get(eval_compare.EVALS)
         record = eval_compare.record_path(path)
         if rows:
             found.append(eval_compare.scores_of(rows))
+            sources.append(f"{AGGREGATE_JSON} {eval_compare.EVALS}")
         else:
             found.append(eval_compare.read_scores(record) if record else None)
+            sources.append(eval_compare.RECORD.as_posix() if record else "no eval")
     if found == [None, None]:
         return None
-    return found[0] or {}, found[1] or {}
+    source = sources[0] if sources[0] == sources[1] else f"base: {sources[0]}, new: {sources[1]}"
+    return (found[0] or {}, found[1] or {}), source
 
 
-def _accuracy(scores: tuple[eval_compare.Scores, eval_compare.Scores] | None) -> dict[str, object]:
-    """The accuracy gate's scores beside the throughput, when either run recorded an eval."""
+def _accuracy(scores: tuple[tuple[eval_compare.Scores, eval_compare.Scores], str] | None
+              ) -> dict[str, object]:
+    """The accuracy gate's scores beside the throughput, when either run recorded an eval;
+    the heading names the file the scores were read from."""
     if scores is None:
         return {}
-    table("accuracy (eval/eval.json): base -> new", ["Task", "Metric", "Base", "New", "Change"],
-          eval_compare.compare_rows(*scores))
-    return {"accuracy": eval_compare.to_json(*scores)}
+    (base, new), source = scores
+    table(f"accuracy ({source}): base -> new", ["Task", "Metric", "Base", "New", "Change"],
+          eval_compare.compare_rows(base, new))
+    return {"accuracy": eval_compare.to_json(base, new)}
 
 
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
@@ -163,7 +171,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
         fields.update(compare={"base": str(base), "new": str(new), "metric": args.metric,
                                **cmp.to_json(result),
                                **({} if scores is None else
-                                  {"accuracy": eval_compare.to_json(*scores)})})
+                                  {"accuracy": eval_compare.to_json(*scores[0])})})
         _refuse_empty(result, base, new)
         _plots(base_agg, new_agg, args)
         report_json.finish(fields)
@@ -171,7 +179,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     label = cmp.METRIC_LABELS[args.metric]
     headers, rows = ["Sequence", "Parallelism", "Concurrency", "Base", "New", "Change"], cmp.table_rows(result)
     if scores is not None:  # one run's accuracy holds for every cell: its change on each row
-        headers, change = [*headers, "Accuracy"], eval_compare.change_cell(*scores)
+        headers, change = [*headers, "Accuracy"], eval_compare.change_cell(*scores[0])
         rows = [[*row, change] for row in rows]
     table(f"{label}: base {run_title(base_agg)} -> new {run_title(new_agg)}", headers, rows)
     if result.unmatched:

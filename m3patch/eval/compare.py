@@ -47,6 +47,30 @@ def score_name(metric: str) -> str:
     return "accuracy" if name == "acc" else name
 
 
+# lm-eval's metrics that are a share of the samples (each sample scores 0 or 1): within [0, 1].
+FRACTION_METRICS = frozenset({"exact_match", "acc", "acc_norm"})
+SIGNED_METRICS = frozenset({"mcc"})  # a correlation, within [-1, 1]; every other one is >= 0
+
+
+def _score_problem(metric: str, score: float) -> str | None:
+    """Why `score` cannot be a score of `metric`, or None."""
+    name = metric.partition(",")[0]
+    if name in FRACTION_METRICS and not 0.0 <= score <= 1.0:
+        return f"{score!r} is no {name} score: it is a share of the samples, within [0, 1]"
+    if name in SIGNED_METRICS and not -1.0 <= score <= 1.0:
+        return f"{score!r} is no {name} score: it lies within [-1, 1]"
+    if name not in SIGNED_METRICS and score < 0:
+        return f"{score!r} is no {name} score: it is never negative"
+    return None
+
+
+def _gate_passes(score: float, floor: Any, baseline: Any, max_drop: Any) -> bool:
+    """The verdict eval.scores.judge gives these figures."""
+    if floor is not None and score < floor:
+        return False
+    return max_drop is None or baseline is None or baseline - score <= max_drop
+
+
 def _finite(value: object) -> bool:
     return (not isinstance(value, bool) and isinstance(value, (int, float))
             and math.isfinite(value))
@@ -74,7 +98,18 @@ def eval_row(task: object, where: str, hint: str = HINT) -> EvalRow:
     for key, value in extra.items():
         if value is not None and not _finite(value):
             raise _bad(where, key, f"expected a finite number or null, got {value!r}", hint)
+    problem = _score_problem(task["metric"], score)
+    if problem is not None:
+        raise _bad(where, "score", problem, hint)
+    if extra["score_se"] is not None and extra["score_se"] < 0:
+        raise _bad(where, "score_se", f"a standard error is never negative, got {extra['score_se']!r}",
+                   hint)
     base = extra["baseline"]
+    passed = task.get("passed")
+    if isinstance(passed, bool) and passed != _gate_passes(score, extra["min"], base,
+                                                           extra["max_drop"]):
+        gate = f"min {extra['min']!r}, baseline {base!r}, max_drop {extra['max_drop']!r}"
+        raise _bad(where, "passed", f"{passed} contradicts its score {score!r} ({gate})", hint)
     return {"task": task["task"], "metric": task["metric"], "score_name": score_name(task["metric"]),
             "score": float(score), "n_eff": samples, **extra,
             "drop": None if base is None else float(base) - float(score),
@@ -87,7 +122,8 @@ def read_evals(path: Path) -> list[EvalRow]:
     tasks = data.get("tasks")
     if not isinstance(tasks, list):
         raise _bad(str(path), "tasks", "expected a list", HINT)
-    return [eval_row(task, f"{path} tasks[{i}]") for i, task in enumerate(tasks)]
+    rows = [eval_row(task, f"{path} tasks[{i}]") for i, task in enumerate(tasks)]
+    return _unique(rows, f"{path} tasks", HINT)
 
 
 def evals_of_run(run_dir: Path) -> list[EvalRow]:
@@ -113,7 +149,18 @@ def check_evals(rows: object, where: str, hint: str) -> list[EvalRow]:
         if not isinstance(row.get("passed"), bool):
             raise _bad(at, "passed", f"expected true/false, got {row.get('passed')!r}", hint)
         checked.append(again)
-    return checked
+    return _unique(checked, f"{where} {EVALS}", hint)
+
+
+def _unique(rows: list[EvalRow], where: str, hint: str) -> list[EvalRow]:
+    """`rows`, each (task, metric) once: a second score for one would hide the first."""
+    seen: set[tuple[str, str]] = set()
+    for index, row in enumerate(rows):
+        key = (row["task"], row["metric"])
+        if key in seen:
+            raise _bad(f"{where}[{index}]", "task", f"{key[0]} {key[1]} is scored twice", hint)
+        seen.add(key)
+    return rows
 
 
 def scores_of(rows: Sequence[EvalRow]) -> Scores:

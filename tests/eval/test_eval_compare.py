@@ -14,6 +14,7 @@ import pytest
 
 from m3patch.bench.aggregate import attach_evals, load_aggregate, table_of
 from m3patch.errors import ResultsInvalid
+from m3patch.main import main
 from m3patch.eval.compare import (
     accuracy_cell,
     check_evals,
@@ -77,6 +78,40 @@ def test_an_aggregate_eval_row_is_checked_key_by_key(key: str, value: object) ->
         check_evals([row], "agg.json", "h")
     with pytest.raises(ResultsInvalid, match="expected a list"):
         check_evals({"task": "x"}, "agg.json", "h")
+
+
+@pytest.mark.parametrize(("key", "change"), [
+    ("score", {"score": 9.5}),  # exact_match is a fraction of the samples
+    ("score", {"score": -0.25, "min": -1.0}),
+    ("score", {"metric": "acc,none", "score": 1.5}),
+    ("score_se", {"score_se": -5}),
+    ("passed", {"score": 0.25, "min": 0.5, "passed": True}),  # under its floor yet passed
+    ("passed", {"score": 0.5, "min": 0.25, "passed": False}),  # over its floor yet failed
+    ("passed", {"score": 0.5, "baseline": 0.9, "max_drop": 0.1, "passed": True}),
+])
+def test_an_impossible_or_contradictory_eval_row_is_refused_naming_the_key(
+        key: str, change: dict[str, object]) -> None:
+    """Before: a score of 9.5 for exact match, a negative standard error and a `passed` that
+    its own score and gate contradict were read back as they stood (and shown as ok)."""
+    row = {**read_evals_from(json.loads(RECORD.read_text())), **change}
+    with pytest.raises(ResultsInvalid, match=f"agg.json evals\\[0\\]: key '{key}'") as info:
+        check_evals([row], "agg.json", "h")
+    assert info.value.exit_code == 17
+
+
+def test_a_metric_that_is_no_fraction_may_score_over_one() -> None:
+    row = {**read_evals_from(json.loads(RECORD.read_text())), "metric": "bleu,none",
+           "score": 31.5}
+    assert check_evals([row], "agg.json", "h")[0]["score"] == 31.5
+
+
+def test_a_task_scored_twice_for_one_metric_is_refused() -> None:
+    """Before: two rows for one (task, metric) were both kept; the compare showed one of them."""
+    row = read_evals_from(json.loads(RECORD.read_text()))
+    with pytest.raises(ResultsInvalid, match=r"agg.json evals\[1\]: key 'task'.*twice"):
+        check_evals([row, {**row, "score": 0.5}], "agg.json", "h")
+    other = {**row, "metric": "exact_match,flexible-extract"}
+    assert len(check_evals([row, other], "agg.json", "h")) == 2
 
 
 def test_the_aggregate_carries_the_scores_and_the_table_shows_them(tmp_path: Path) -> None:
@@ -168,6 +203,19 @@ def test_bench_compare_reads_the_scores_the_aggregate_carries(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["compare"]["accuracy"] == [
         {"task": "tiny_arith", "metric": "exact_match,strict-match", "base": 0.5, "new": 0.75}]
+
+
+def test_the_compare_heading_names_the_file_the_scores_came_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the heading said eval/eval.json whatever the scores were read from."""
+    base, new = gated_run(tmp_path, "base", 0.5), gated_run(tmp_path, "new", 0.75)
+    attach_evals(base)
+    assert main(["bench", "compare", str(base), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy (base: aggregate.json evals, new: eval/eval.json): base -> new" in out
+    attach_evals(new)
+    assert main(["bench", "compare", str(base), str(new)]) == 0
+    assert "accuracy (aggregate.json evals): base -> new" in capsys.readouterr().out
 
 
 def test_after_the_sweep_the_results_table_prints_once_with_the_scores(
