@@ -108,6 +108,8 @@ def main() -> int:
     if (run_dir / "aggregate.json").is_file():
         aggregate = json.loads((run_dir / "aggregate.json").read_text())
         rows, evals = aggregate["rows"], aggregate.get("evals")
+        if "evals" not in aggregate:  # a run that stopped writing its scores must not pass
+            problems.append("aggregate.json has no `evals` (the gate's scores beside the rows)")
     problems += gate_problems(run_dir / "eval" / "eval.json", evals)
     if rows:
         if len(rows) != len(cells):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -103,3 +105,42 @@ def test_the_gate_must_pass_a_real_score_against_a_real_floor(tmp_path: Path) ->
     assert check.gate_problems(record, same) == []
     for evals in ([], [{**same[0], "score": 0.5}], [{**same[0], "passed": False}], {"x": 1}):
         assert check.gate_problems(record, evals), evals
+
+
+def _demo_run(tmp_path: Path, aggregate: dict[str, object]) -> Path:
+    """The demo log with its run folder at tmp_path/run, holding every artifact the check asks
+    for: `aggregate` as its aggregate.json, one cell file per row, the gate's eval.json."""
+    run = tmp_path / "run"
+    for name in ("server.log", "aggregate.csv", "plots/throughput_per_gpu.png",
+                 "plots/interactivity_vs_throughput.png", "ledger.json", "ci.json"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    rows = aggregate["rows"]
+    assert isinstance(rows, list)
+    (run / "cells").mkdir()
+    for index in range(len(rows)):
+        (run / "cells" / f"c{index}.json").write_text("{}")
+    (run / "eval").mkdir()
+    (run / "eval" / "eval.json").write_text(json.dumps({"tasks": [{"score": 1.0, "min": 0.875}]}))
+    (run / "aggregate.json").write_text(json.dumps(aggregate))
+    log = tmp_path / "demo.log"
+    log.write_text((DATA / "demo.log").read_text().replace("RUN_DIR", str(run)))
+    return log
+
+
+def test_an_aggregate_without_evals_fails_the_demo_check(tmp_path: Path) -> None:
+    """Before: a missing `evals` key skipped the check, so a regression that stopped writing the
+    scores into aggregate.json passed CI."""
+    aggregate = json.loads((DATA / "aggregate.json").read_text())
+    script = str(REPO / "scripts" / "ci" / "check_demo_output.py")
+    log = _demo_run(tmp_path / "kept", aggregate)
+    done = subprocess.run([sys.executable, script, str(log)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stdout
+    del aggregate["evals"]
+    log = _demo_run(tmp_path / "dropped", aggregate)
+    done = subprocess.run([sys.executable, script, str(log)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == [
+        "check_demo_output: aggregate.json has no `evals` (the gate's scores beside the rows)"]
