@@ -158,7 +158,8 @@ def _unique(rows: list[EvalRow], where: str, hint: str) -> list[EvalRow]:
     for index, row in enumerate(rows):
         key = (row["task"], row["metric"])
         if key in seen:
-            raise _bad(f"{where}[{index}]", "task", f"{key[0]} {key[1]} is scored twice", hint)
+            at = f"{where}[{index}]"
+            raise _bad(at, "task", f"{key[0]} {key[1]} is scored twice", hint)
         seen.add(key)
     return rows
 

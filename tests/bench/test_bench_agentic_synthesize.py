@@ -242,7 +242,7 @@ def test_a_planted_link_at_the_tokenizer_view_is_refused_never_written_through(
     view.unlink()
     for _ in range(2):  # the run's own view: emptied and made again, no FileExistsError
         moved, made = tokenizer_view(target, trace, view, {})
-        assert made == view and not view.is_symlink()
+        assert moved.tokenizer == LOCAL_TOKENIZER_REPO and made == view and not view.is_symlink()
         assert (view / "models--m3patch-local--tokenizer" / "refs" / "main").read_text() == "local"
 
 

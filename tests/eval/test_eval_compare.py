@@ -14,7 +14,6 @@ import pytest
 
 from m3patch.bench.aggregate import attach_evals, load_aggregate, table_of
 from m3patch.errors import ResultsInvalid
-from m3patch.main import main
 from m3patch.eval.compare import (
     accuracy_cell,
     check_evals,
@@ -23,6 +22,7 @@ from m3patch.eval.compare import (
     read_scores,
     record_path,
 )
+from m3patch.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 # The eval record of a real serve --bench run of the embedded default (paths made relative).
