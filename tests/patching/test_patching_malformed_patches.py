@@ -96,3 +96,11 @@ def test_format_patch_signature_and_next_file_headers_are_not_lying_counts() -> 
     plain = "".join(x for x in text.splitlines(keepends=True) if not x.startswith("diff --git"))
     assert plain.count("--- a/") == 2  # diff -u style: the next file starts at its "---" line
     assert len(parse_patch(plain.encode(), "p").files) == 2
+
+
+def test_a_conflict_on_a_missing_line_break_shows_the_difference() -> None:
+    from m3patch.patching.hunks import difference
+
+    assert difference(["a\n", "b"], 1, ("b\n",)) == (2, "b\n", "b")
+    assert difference(["a\n"], -1, ("a\n",)) == (0, "a", "<before line 1>")
+    assert difference(["a\n"], 1, ("b\n",)) == (2, "b", "<end of file>")
