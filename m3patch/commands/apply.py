@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from m3patch.commands.common import add_tree_and_series_options, err, say, start_tree_command
-from m3patch.patching import report_json
+from m3patch.patching import memo, report_json
 from m3patch.patching.api import Mode, apply_series, ensure_series, verify_tree
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dry_run:  # "write nothing" covers m3patch's own memos too
+        memo.forbid_writes()
     mode = Mode.OFFSET if args.offset else Mode.STRICT
     fields = report_json.start("apply", mode=str(mode)) if args.json else None
     tree, series = start_tree_command(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from m3patch.commands.common import add_tree_and_series_options, err, say, start_tree_command
-from m3patch.patching import report_json
+from m3patch.patching import memo, report_json
 from m3patch.patching.api import revert_series
 from m3patch.patching.states import Mode
 
@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dry_run:  # "write nothing" covers m3patch's own memos too
+        memo.forbid_writes()
     fields = report_json.start("revert", mode=str(Mode.REVERT)) if args.json else None
     tree, series = start_tree_command(args)
     if fields is not None:

@@ -24,13 +24,16 @@ MIN_BYTES = 2 << 20  # below this, forking costs more than it saves
 
 
 def compile_one(path: str, data: bytes) -> str | None:
-    """None when `data` compiles as a module here, else the SyntaxError's message."""
+    """None when `data` compiles as a module here, else why not (a syntax error, or nesting or
+    size that this interpreter's compiler cannot take, which the import would hit too)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SyntaxWarnings in vLLM sources are not ours
         try:
             compile(data, path, "exec", dont_inherit=True)
         except (SyntaxError, ValueError) as exc:
             return str(exc)
+        except (RecursionError, MemoryError) as exc:  # too deep or too big for CPython's compiler
+            return f"{type(exc).__name__}: {exc}"
     return None
 
 

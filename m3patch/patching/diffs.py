@@ -145,6 +145,8 @@ def _add(sides: Rows, last: list[list[str]], kind: str, value: str) -> list[list
         for side in last:
             side[-1] = side[-1].removesuffix("\n")
         return last
+    if kind == "":  # a blank line after the body's counts are met: git and GNU patch ignore it
+        return last
     old, new = sides
     last = [old, new] if kind == " " else [old] if kind == "-" else [new]
     for side in last:
@@ -283,6 +285,53 @@ def _check_file(pf: PatchedFile, info: str, where: str) -> str:
     return paths[0]
 
 
+def _refuse_crlf_headers(lines: list[str], name: str) -> None:
+    """A file header ending in CRLF means the whole patch was re-saved with Windows line endings
+    (git writes headers with LF even for a CRLF file, whose CRs sit in the hunk bodies); read on,
+    the CR would become part of the path and the patch be misnamed a rename."""
+    # "--- x" can also be a body line (a removed "-- x"), so plain `diff -u` headers count only
+    # as a "---"/"+++" pair, and only in a patch with no git header (which no body line can be)
+    git = any(line.startswith("diff --git ") for line in lines)
+    for number, line in enumerate(lines, start=1):
+        header = line.startswith("diff --git ") or (
+            not git and line.startswith("--- ") and number < len(lines)
+            and lines[number].startswith("+++ "))
+        if header and line.endswith("\r\n"):
+            msg = (f"{name}: line {number}: the file header ends in CRLF: the patch was saved with "
+                   "Windows line endings")
+            raise UsageError(msg, hint=f"convert it back (`sed -i 's/\\r$//' {name}` or "
+                             "dos2unix), then run `m3patch series lock` again")
+
+
+def _refuse_lying_counts(lines: list[str], patch_set: PatchSet, name: str) -> None:
+    """A hunk whose header counts fewer lines than its body has: the reader stops at the count,
+    so the "-"/"+" lines after it would be dropped without a word (git apply calls such a patch
+    corrupt). An empty hunk (0 lines on both sides) is refused the same way. "-- " alone is the
+    signature line `git format-patch` ends a patch with, not a removed line."""
+    flat = [(pf, hunk) for pf in patch_set for hunk in pf]
+    at = 0
+    for i, line in enumerate(lines):
+        if at == len(flat) or not line.startswith("@@ ") or not RE_HUNK_HEADER.match(line):
+            continue
+        pf, hunk = flat[at]
+        at += 1
+        where = f"{name}: line {i + 1}: hunk of {_strip_prefix(pf.target_file)}"
+        if hunk.source_length == 0 and hunk.target_length == 0:
+            msg = f"{where} is empty ({line.strip()})"
+            raise UsageError(msg, hint="drop the hunk, or regenerate the patch with `git diff`")
+        try:
+            _, _, end = _body(lines, i + 1, hunk)
+        except (ValueError, IndexError):
+            continue  # a body the reader already judged short or odd: unidiff words that
+        nxt = lines[end] if end < len(lines) else ""
+        header = nxt.startswith("--- ") and end + 1 < len(lines) and lines[end + 1].startswith("+++ ")
+        if nxt[:1] in ("+", "-", " ") and nxt.rstrip("\r\n") != "-- " and not header:
+            msg = (f"{where}: line {end + 1} ({nxt.rstrip()[:60]!r}) follows the last line the "
+                   f"header counts ({line.strip()[:60]}): the counts lie")
+            raise UsageError(msg, hint="regenerate the patch with `git diff` "
+                             "(a hand edit must update the counts)")
+
+
 def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
     """Parse one .patch file into the pure model; malformed input fails closed (exit 2).
     `full`: unidiff's full parse only (the reference the fast reading is tested against)."""
@@ -292,6 +341,7 @@ def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
         msg = f"{name}: contains NUL bytes (binary content)"
         raise HostilePatch(msg, hint="m3patch applies text diffs only")
     lines = split_lines(decode(data))
+    _refuse_crlf_headers(lines, name)
     fast = None if full else _fast_patch_set(lines)
     if fast is None:
         try:
@@ -302,6 +352,7 @@ def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
         sides = [_hunk_lines(hunk) for pf in patch_set for hunk in pf]
     else:
         patch_set, sides = fast
+    _refuse_lying_counts(lines, patch_set, name)
     files: list[FilePatch] = []
     flat = iter(sides)
     for pf in patch_set:

@@ -104,7 +104,10 @@ def post_image(chain: Chain, stage: int, data: bytes | None) -> FilePlan:
         got = None if data is None else digest(data)
         if got != step.pin.post:
             msg = f"{chain.path}: patch {step.patch_id} gives sha256 {got}, lock pins {step.pin.post}"
-            raise PatchConflict(msg, hint="m3patch series lock --pristine (the lock is stale)")
+            raise PatchConflict(msg, hint=(
+                "m3patch series lock --pristine (the lock is stale); if it writes the same lock, "
+                "m3patch's parse memo is wrong: rm -r ~/.cache/m3patch/parsed "
+                "(or $M3PATCH_CACHE/parsed)"))
     return FilePlan(chain.path, chain.hashes[stage], chain.hashes[-1], data)
 
 

@@ -38,9 +38,12 @@ def difference(lines: list[str], at: int, want: tuple[str, ...]) -> tuple[int, s
     """(1-based line, expected, found) where `want` first differs from `lines` at `at`."""
     for offset, expected in enumerate(want):
         index = at + offset
-        found = lines[index] if 0 <= index < len(lines) else "<end of file>"
+        found = (lines[index] if 0 <= index < len(lines)
+                 else "<before line 1>" if index < 0 else "<end of file>")
         if found != expected:
-            return index + 1, expected.removesuffix("\n"), found.removesuffix("\n")
+            shown = expected.removesuffix("\n"), found.removesuffix("\n")
+            # lines that differ only in their line break are shown with it
+            return (index + 1, *((expected, found) if shown[0] == shown[1] else shown))
     return None
 
 

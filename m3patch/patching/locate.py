@@ -268,6 +268,8 @@ for path, blob in json.load(sys.stdin).items():
         compile(base64.b64decode(blob), path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
         errors[path] = str(exc)
+    except (RecursionError, MemoryError) as exc:
+        errors[path] = f"{type(exc).__name__}: {exc}"
 key = f"{sys.implementation.cache_tag}-{importlib.util.MAGIC_NUMBER.hex()}"
 print(json.dumps({"version": sys.version.split()[0], "errors": errors, "key": key}))
 """

@@ -1,7 +1,7 @@
 """Whether this process may add to m3patch's memos (parsed patches, compiled contents).
 
 A memo only saves time, so a command that promises to write nothing (`locate`, `verify`,
-`status`) reads the memos and never adds to them: it leaves the machine as it found it, the
+`status`, `apply`/`revert --dry-run`) reads the memos and never adds to them: it leaves the machine as it found it, the
 cache included. The CLI sets this once, before the command runs (main.py's command table).
 """
 

@@ -2,7 +2,7 @@
 hunks) parses in seconds with unidiff, and the same pinned bytes always give the same model.
 
 `parsed(data, name, sha256)` is `diffs.parse_patch` with a memo under
-`~/.cache/m3patch/parsed/<sha256>.json`. Callers pass the hash the series lock pins and the
+`~/.cache/m3patch/parsed/<sha256>.json`, stamped with the parser's fingerprint. Callers pass the hash the series lock pins and the
 bytes were just checked against (series_lock.pinned), so the key names exactly these bytes. The
 memo is read back as hostile input: the shape is checked field by field, every path goes through
 `check_rel_path` again, and anything unexpected means the patch is parsed afresh and the entry
@@ -31,6 +31,22 @@ from m3patch.patching.ledger import SHA256_RE
 
 SCHEMA = 2  # 2: each hunk side one string
 KINDS = ("modify", "add", "delete")
+_PARSER: list[str] = []  # the parser's fingerprint, once per process
+
+
+def parser_fingerprint() -> str:
+    """What decides a parse: the reading code (diffs.py's bytes) and unidiff's version; an entry
+    another version of either made is parsed afresh, so a fix to the reading reaches every user."""
+    if not _PARSER:
+        import hashlib
+
+        import unidiff
+
+        from m3patch.patching import diffs
+
+        code = hashlib.sha256(Path(diffs.__file__).read_bytes()).hexdigest()[:16]
+        _PARSER.append(f"{code}-unidiff-{unidiff.VERSION}")
+    return _PARSER[0]
 
 
 def _root() -> Path:
@@ -45,7 +61,7 @@ def _path(sha256: str) -> Path:
 
 
 def _to_json(patch: PatchFile, sha256: str) -> dict[str, Any]:
-    return {"schema": SCHEMA, "sha256": sha256, "files": [
+    return {"schema": SCHEMA, "parser": parser_fingerprint(), "sha256": sha256, "files": [
         [f.path, f.kind, f.new_mode, [[h.index, h.old_start, h.new_start, h.header,
                                         "".join(h.old_lines), "".join(h.new_lines)]
                                        for h in f.hunks]]
@@ -90,7 +106,8 @@ def _file(raw: object, name: str) -> FilePatch:
 
 
 def _from_json(body: dict[str, Any], name: str, sha256: str) -> PatchFile | None:
-    if body.get("schema") != SCHEMA or body.get("sha256") != sha256:
+    if (body.get("schema") != SCHEMA or body.get("sha256") != sha256
+            or body.get("parser") != parser_fingerprint()):
         return None
     raw = body.get("files")
     try:

@@ -61,6 +61,14 @@ def test_a_valid_trace_is_summarized() -> None:
     assert (summary.rows, summary.sessions, summary.input_tokens) == (3, 2, 323)
 
 
+def test_a_raw_line_separator_inside_a_json_string_is_content() -> None:
+    # U+2028 is legal raw inside a JSON string; only "\n" ends a JSON line
+    rows = [dict(row, session_id="sess\u2028a") for row in ROWS[:2]]
+    data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
+    assert "\u2028".encode() in data
+    assert check_trace(data, 16, "t.jsonl").rows == 2
+
+
 def changed(index: int, **fields: object) -> list[dict[str, object]]:
     rows = [dict(row) for row in ROWS]
     rows[index].update(fields)
@@ -72,8 +80,9 @@ def changed(index: int, **fields: object) -> list[dict[str, object]]:
     (changed(1, group_id=0), "belong on a session's first row only"),
     (changed(1, delay=None), "later row needs delay >= 0"),
     (changed(0, timestamp=-1.0), "first row needs timestamp >= 0"),
-    (changed(0, input_length=True), "input_length must be an integer >= 1"),
-    (changed(2, output_length=0), "output_length must be an integer >= 1"),
+    (changed(0, input_length=True), "input_length must be an integer from 1 to"),
+    (changed(2, output_length=0), "output_length must be an integer from 1 to"),
+    (changed(2, output_length=99_999_999_999), "output_length must be an integer from 1 to"),
     (changed(0, prompt="x"), "unknown key(s) ['prompt']"),
     (changed(0, session_id=""), "session_id must be a non-empty string"),
     (changed(1, hash_ids=[103, -1]), "hash_ids must be a list of integers >= 0"),

@@ -1,5 +1,5 @@
-"""The read-only commands (locate, status, verify) write nothing anywhere: not into the tree,
-not into m3patch's own cache (the parsed-patch and compile memos only apply may grow)."""
+"""The read-only commands (locate, status, verify, and apply/revert --dry-run) write nothing
+anywhere: not into the tree, not into m3patch's own cache (the parsed-patch and compile memos only apply may grow)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def test_locate_status_verify_write_nothing_and_apply_fills_the_memos(
         assert _snapshot(cache) == before_cache
 
     read_only_round()  # unpatched: status parses every patch to classify its hunks
+    before_tree, before_cache = _snapshot(vllm_tree), _snapshot(cache)
+    for command in ("apply", "revert"):  # --dry-run: "plan and report, write nothing"
+        assert m3patch_cli(command, "--dry-run", *where, env=env).returncode == 0
+    assert (_snapshot(vllm_tree), _snapshot(cache)) == (before_tree, before_cache)
     assert m3patch_cli("apply", *where, env=env).returncode == 0
     assert any((cache / "parsed").iterdir())  # the control: a writing command does fill it
     read_only_round()  # patched: verify compiles every patched .py

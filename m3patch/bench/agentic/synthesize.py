@@ -44,6 +44,7 @@ SYNTHESIZE_TIMEOUT_S = 1800.0
 LOG_TAIL_LINES = 8
 MOONCAKE_LOADER = "mooncake_trace"
 FIRST_TURN_KEYS = frozenset({"timestamp", "group_id", "is_restart"})
+MAX_ROW_TOKENS = 10_000_000  # past any model's context: a length beyond it is a broken trace
 ROW_KEYS = frozenset({"session_id", "input_length", "output_length", "hash_ids", "delay"}
                      | FIRST_TURN_KEYS)
 
@@ -116,7 +117,8 @@ def check_trace(data: bytes, block_size: int, where: str) -> TraceSummary:
     every later one delayed, each row's hash_ids covering exactly its input_length."""
     hint = "delete the file; the next run (or `m3patch model fetch RECIPE`) synthesizes it again"
     try:
-        lines = data.decode("utf-8").splitlines()
+        # JSON lines end at "\n" only: str.splitlines would also break a line at a raw U+2028
+        lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError as exc:
         msg = f"{where}: not UTF-8 (byte {exc.start})"
         raise AgenticTraceError(msg, hint=hint) from None
@@ -156,8 +158,9 @@ def _row_problem(row: dict[str, Any], block_size: int, *, first: bool) -> str | 
     if not isinstance(session, str) or not session:
         return "session_id must be a non-empty string"
     for key in ("input_length", "output_length"):
-        if not _count(row.get(key), 1):
-            return f"{key} must be an integer >= 1, got {row.get(key)!r}"
+        if not _count(row.get(key), 1) or row[key] > MAX_ROW_TOKENS:
+            return (f"{key} must be an integer from 1 to {MAX_ROW_TOKENS:,}, "
+                    f"got {row.get(key)!r}")
     hashes = row.get("hash_ids")
     if not isinstance(hashes, list) or not all(_count(h, 0) for h in hashes):
         return "hash_ids must be a list of integers >= 0"
