@@ -24,6 +24,7 @@ from m3patch.bench.chat_prompts import write_prompts
 from m3patch.bench.client import BenchTarget, bench_argv, log_tail, run_client
 from m3patch.errors import BenchFailed, UsageError
 from m3patch.eval.compare import EvalRow, evals_of_run
+from m3patch.fsio import owned_dir
 from m3patch.output import info, progress, table
 
 RAW_DIR = "raw"
@@ -59,8 +60,9 @@ def refuse_overwrite(settings: SweepSettings) -> None:
 
 def prepare_run_dir(settings: SweepSettings) -> None:
     refuse_overwrite(settings)
-    for sub in (CELLS_DIR, RAW_DIR, LOGS_DIR):
-        (settings.run_dir / sub).mkdir(parents=True, exist_ok=True)
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    for sub in (CELLS_DIR, RAW_DIR, LOGS_DIR):  # a link planted there is never written through
+        owned_dir(settings.run_dir / sub, create=True)
 
 
 def run_sweep(

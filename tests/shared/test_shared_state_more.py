@@ -172,3 +172,23 @@ def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
     recipe.write_text(re.sub(r"python: .*", f"python: {long}", text, count=1))
     assert main(["recipe", "validate", str(recipe)]) == 0
     assert "internal error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", ["cells", "raw", "logs"])
+def test_a_run_folder_part_planted_as_a_link_is_never_written_through(
+        tmp_path: Path, sub: str) -> None:
+    """Before: the sweep made cells/, raw/ and logs/ with mkdir(exist_ok=True), which takes a
+    link to a folder for the folder, and then wrote the run's files into the link's target."""
+    from m3patch.bench.sweep import SweepSettings, prepare_run_dir
+    from m3patch.errors import UnsafeState
+
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    run.mkdir()
+    victim.mkdir()
+    (run / sub).symlink_to(victim)
+    with pytest.raises(UnsafeState):
+        prepare_run_dir(SweepSettings(run, resume=True))
+    assert list(victim.iterdir()) == []
+    (run / sub).unlink()  # the control: a plain run folder is prepared
+    prepare_run_dir(SweepSettings(run, resume=True))
+    assert all((run / part).is_dir() for part in ("cells", "raw", "logs"))
