@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from m3patch import __version__
-from m3patch.errors import UsageError
+from m3patch.errors import PatchConflict, UsageError
 from m3patch.fsio import read_json, write_bytes_atomic, write_json_atomic
 from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
@@ -224,7 +224,13 @@ def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = Non
     for rel in paths:
         target = safe_target(tree.root, rel)
         pristine[rel] = target.read_bytes() if target.is_file() else None
-    pins = compute_pins(patches, pristine)
+    try:
+        pins = compute_pins(patches, pristine)
+    except PatchConflict as exc:  # `status` needs the lock this run could not write
+        hint = (f"regenerate the patch against the pristine vLLM {tree.version} tree, or see "
+                f"every hunk with `m3patch series port {series.directory} --tree {tree.root} "
+                "--out NEW_DIR`")
+        raise PatchConflict(exc.message, hint=hint) from None
     spec = None
     if cli_spec is not None:
         write_bytes_atomic(series.directory / CLI_SPEC, cli_spec)

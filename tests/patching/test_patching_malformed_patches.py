@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from core_helpers import make_series
+from core_helpers import CliRunner, make_series
 
 from m3patch.errors import UsageError
 from m3patch.patching.diffs import parse_patch
@@ -104,3 +104,15 @@ def test_a_conflict_on_a_missing_line_break_shows_the_difference() -> None:
     assert difference(["a\n", "b"], 1, ("b\n",)) == (2, "b\n", "b")
     assert difference(["a\n"], -1, ("a\n",)) == (0, "a", "<before line 1>")
     assert difference(["a\n"], 1, ("b\n",)) == (2, "b", "<end of file>")
+
+
+def test_a_patch_that_does_not_fit_at_lock_time_names_a_command_that_works(
+        pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    # the hint was `m3patch status --json`, which needs the lock this run could not write
+    wrong = HUNK.replace(" # SPDX-License-Identifier", " # not the first line")
+    series = make_series(tmp_path / "s", None, [HEAD + wrong])
+    done = m3patch_cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert done.returncode == 5, done.stderr
+    assert "does not apply exactly" in done.stderr and "series port" in done.stderr
+    assert "status --json" not in done.stderr
+    assert not (series / "series.lock.json").exists()
