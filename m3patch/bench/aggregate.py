@@ -307,6 +307,10 @@ def load_aggregate(path: Path) -> dict[str, Any]:
     """An aggregate.json, or a run folder holding one, or an InferenceX result row (or array of
     rows) read as one; rows checked for the keys compare uses."""
     file = path / AGGREGATE_JSON if path_is(path, "dir") else path
+    if not path_is(path, "any"):  # a mistyped run: re-running a cell is no fix for that
+        msg = f"{path}: no such file or folder"
+        raise ResultsInvalid(msg, hint="name a run folder (results/RECIPE/RUN) or its "
+                             "aggregate.json; `ls results/*/` lists the runs")
     raw = read_json(file, error=ResultsInvalid, hint=FIX_HINT)
     if is_inferencex(raw):
         data = inferencex_aggregate(raw, file)

@@ -143,6 +143,15 @@ def test_a_run_name_longer_than_the_file_system_allows_exits_17_naming_it(
     assert str(long) in err and "internal error" not in err
 
 
+def test_a_mistyped_run_is_named_with_a_fix_that_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the hint was "rerun the cell: m3patch bench RECIPE --resume"."""
+    assert main(["bench", "compare", str(tmp_path / "no-such-run"), str(RUNS / "new")]) == 17
+    err = capsys.readouterr().err
+    assert "no-such-run: no such file or folder" in err and "ls results" in err
+    assert "rerun the cell" not in err
+
+
 def test_compare_needs_exactly_two_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "compare", str(RUNS / "base")]) == 2
     assert "takes BASE and NEW" in capsys.readouterr().err
