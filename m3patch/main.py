@@ -108,10 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
         return 2
     with handle_errors(debug=ns.debug_traceback) as outcome:
-        if COMMANDS[name].read_only:
-            from m3patch.patching import memo
+        from m3patch.patching import memo
 
-            memo.forbid_writes()
+        memo.start_command(COMMANDS[name].read_only)
         module = importlib.import_module(COMMANDS[name].module)
         parser_class = _JsonUsageParser if "--json" in rest else argparse.ArgumentParser
         parser = parser_class(

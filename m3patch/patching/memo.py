@@ -14,5 +14,11 @@ def forbid_writes() -> None:
     _STATE["read_only"] = True
 
 
+def start_command(read_only: bool) -> None:
+    """Each command starts from its own promise, not from what an earlier command in the same
+    process (a test run, an embedding tool) left behind."""
+    _STATE["read_only"] = read_only
+
+
 def writes_allowed() -> bool:
     return not _STATE["read_only"]

@@ -59,10 +59,11 @@ def test_a_parse_memo_from_another_parser_is_parsed_afresh(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # an entry an older reading wrote (here: the extra blank line it used to add) must not
     # outlive the fix that changed the reading
-    from m3patch.patching import parse_cache
+    from m3patch.patching import memo, parse_cache
     from m3patch.patching.ledger import digest
 
     monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(memo._STATE, "read_only", False)  # whatever an earlier test's command left
     data = (HEAD + HUNK + "\n").encode()
     sha = digest(data)
     right = parse_cache.parsed(data, "p", sha)  # fills the memo

@@ -65,3 +65,17 @@ def test_status_json_on_a_ledger_that_never_ends(kind: str, vllm_tree: Path, tes
     assert done.returncode != 70, done.stderr  # status reports; verify is the gate
     assert "internal error" not in done.stderr
     assert json.loads(done.stdout)["ledger_sha256"] is None
+
+
+def test_a_writing_command_after_a_read_only_one_in_one_process_fills_the_memos(
+        vllm_tree: Path, test_series: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo switch was set by a read-only command and never cleared, so in one process (a
+    test worker) every later apply silently stopped remembering parses."""
+    from m3patch.main import main
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert main(["status", *where]) == 0
+    assert main(["apply", *where]) == 0
+    assert any((tmp_path / "cache" / "parsed").iterdir())
