@@ -151,14 +151,14 @@ def make_durable(files: Iterable[Path], folders: Iterable[Path]) -> None:
         fsync_dir(folder)
 
 
-def write_new(path: Path, data: bytes, mode: int = DEFAULT_MODE, *, sync: bool = True) -> None:
+def write_new(path: Path | str, data: bytes, mode: int = DEFAULT_MODE, *, sync: bool = True) -> None:
     """Create `path` as a new inode (never through an existing link), fsynced unless `sync` is
     False (the caller then makes it durable with `make_durable`). Raises OSError."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         fd = os.open(path, flags, mode)
     except FileExistsError:  # a leftover name: removed, never written through
-        path.unlink()
+        Path(path).unlink()
         fd = os.open(path, flags, mode)
     try:
         view = memoryview(data)
@@ -219,9 +219,14 @@ def write_json_atomic(path: Path, data: object, *, indent: int | None = 2,
 
 def write_cache_json(root: Path, path: Path, data: object, *, indent: int | None = 2,
                      durable: bool = True) -> None:
+    """`write_cache_bytes` of `data` as JSON."""
+    write_cache_bytes(root, path, json_bytes(data, indent=indent), durable=durable)
+
+
+def write_cache_bytes(root: Path, path: Path, data: bytes, *, durable: bool = True) -> None:
     """A cache entry at `path` below m3patch's cache `root`: the root and every folder down to
     the entry's are real folders this user owns (made when missing), never a link a planted
-    cache folder would carry the write through; then `write_json_atomic`. Raises UnsafeState
+    cache folder would carry the write through; then `write_bytes_atomic`. Raises UnsafeState
     or TreeIOError: a cache that cannot be written only costs the next run time."""
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -229,7 +234,7 @@ def write_cache_json(root: Path, path: Path, data: object, *, indent: int | None
         msg = f"{root}: cannot create the cache folder: {exc.strerror or exc}"
         raise TreeIOError(msg, hint=f"check that {root.parent} is writable") from None
     owned_dirs(owned_dir(root), path.parent)
-    write_json_atomic(path, data, indent=indent, durable=durable)
+    write_bytes_atomic(path, data, durable=durable)
 
 
 def _reject_constant(name: str) -> Any:
@@ -257,6 +262,22 @@ def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint
 
 
 STATE_MAX_BYTES = 256 << 20  # no state file m3patch writes comes near this
+
+
+def read_bytes(path: Path) -> bytes:
+    """`Path.read_bytes` with half the system calls (no buffered file object): the same
+    errors (FileNotFoundError, IsADirectoryError, OSError); read per file of every command."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        chunks = [os.read(fd, info.st_size + 1)]
+        while chunks[-1]:  # a file that grew while read, or one whose size says nothing
+            chunks.append(os.read(fd, 1 << 20))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def read_state(path: Path, limit: int = STATE_MAX_BYTES, *, links: bool = False) -> bytes:

@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
         err(f"m3patch: offset: {line}")
     if fields is not None:
         return _finish_json(fields, args, tree, series, report, verify)
-    for path in report.files_written:
-        verb = ("would delete" if args.dry_run else "deleted") if path in report.deleted else (
-            "would write" if args.dry_run else "wrote")
-        say(f"{verb} {path}")
+    deleted = set(report.deleted)
+    lines = [f"{_verb(path in deleted, args.dry_run)} {path}" for path in report.files_written]
+    if lines:  # one write: a release-sized series is a thousand lines, and an unbuffered
+        say("\n".join(lines))  # stdout (PYTHONUNBUFFERED, common in images) writes each alone
     if not report.applied:
         say(f"m3patch: series {series.id} already applied to {tree.root}")
     if args.verify and not args.dry_run:
@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
         say(f"m3patch: verified {len(verify.checked)} file(s); compiled with {verify.compiler}")
     say(report.summary())
     return 0
+
+
+def _verb(deleted: bool, dry_run: bool) -> str:
+    if deleted:
+        return "would delete" if dry_run else "deleted"
+    return "would write" if dry_run else "wrote"
 
 
 def _finish_json(fields: dict[str, Any], args: argparse.Namespace, tree: VllmTree,

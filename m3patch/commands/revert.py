@@ -31,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
         fields.update(report.to_json())
         report_json.finish(fields)
         return 0
-    for path in report.files_written:
-        verb = "remove" if path in report.deleted else "restore"  # a file the series added
-        say(f"would {verb} {path}" if args.dry_run else f"{verb}d {path}")
+    deleted = set(report.deleted)  # a file the series added is removed, not restored
+    verbs = [("remove" if path in deleted else "restore", path) for path in report.files_written]
+    if verbs:  # one write (see apply)
+        say("\n".join(f"would {v} {p}" if args.dry_run else f"{v}d {p}" for v, p in verbs))
     say(report.summary())
     return 0

@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from m3patch.errors import PatchConflict, TreeIOError, UsageError
-from m3patch.patching.diffs import safe_target
+from m3patch.patching.diffs import safe_targets
 from m3patch.patching.ledger import (
     Ledger,
     LedgerFile,
@@ -43,6 +42,7 @@ from m3patch.patching.states import FileState, Mode
 
 if TYPE_CHECKING:
     from m3patch.patching import engine, writer
+    from m3patch.patching.image_memo import ImagePack
 
 DRY_RUN_PENDING = "an interrupted transaction is pending; a real run recovers it first"
 
@@ -130,7 +130,8 @@ def _selected(snap: Snapshot, only: Iterable[str] | None) -> tuple[engine.Chain,
     return tuple(chosen)
 
 
-def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[engine.FilePlan]:
+def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode,
+          images: ImagePack | None = None) -> list[engine.FilePlan]:
     from m3patch.patching import engine  # deferred: the already-applied fast path never plans
 
     plans, conflicts = [], []
@@ -140,7 +141,8 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
         if status.stage == len(chain.steps) or view[chain.path].state == FileState.APPLIED_OFFSET:
             continue
         if status.stage is not None:
-            plans.append(engine.post_image(chain, status.stage, snap.contents[chain.path]))
+            known = _known_image(chain, status.stage, images)
+            plans.append(known or engine.post_image(chain, status.stage, snap.contents[chain.path]))
         elif mode == Mode.OFFSET:
             plans.append(engine.offset_image(chain, snap.contents[chain.path]))
         else:
@@ -151,6 +153,30 @@ def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode) -> list[en
         raise PatchConflict(msg, hint="m3patch status; restore with `pip install --force-reinstall "
                             f"--no-deps vllm=={version}`, or port the patch (apply --offset)")
     return plans
+
+
+def _known_image(chain: engine.Chain, stage: int, images: ImagePack | None,
+                 ) -> engine.FilePlan | None:
+    """A file at a pinned stage whose final image the image memo holds (checked against the
+    lock's pin) needs no hunk applied; a file the lock deletes needs none under a pack."""
+    from m3patch.patching import engine
+
+    if images is None:
+        return None
+    post = chain.hashes[-1]
+    data = None if post is None else images.image(post)
+    if post is not None and data is None:
+        return None
+    return engine.FilePlan(chain.path, chain.hashes[stage], post, data)
+
+
+def _remember_images(series: Series, snap: Snapshot, plans: list[engine.FilePlan]) -> None:
+    """After a run that computed every file's post-image: the image memo for the next run."""
+    if len(plans) == len(snap.chains):
+        from m3patch.patching import image_memo
+
+        image_memo.save(series.require_lock(),
+                        {p.post: p.data for p in plans if p.post is not None and p.data is not None})
 
 
 def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
@@ -193,16 +219,28 @@ def _depth(folder: str) -> int:
     return folder.count("/")
 
 
+def _folders_below_vllm(path: str) -> list[str]:
+    """The folders above `path` and below vllm/, deepest first (vllm/a/b/c.py: vllm/a/b, vllm/a);
+    plain strings, as paths are normalized when read: PurePosixPath.parents per planned file
+    was a tenth of a release-sized apply."""
+    parts = path.split("/")
+    return ["/".join(parts[:n]) for n in range(len(parts) - 1, 1, -1)]
+
+
 def missing_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tuple[str, ...]]:
     """Per new file, the folders this run must create for it (shallowest first); a folder
     needed by two new files is named once, so exactly the created folders are recorded."""
     made: dict[str, tuple[str, ...]] = {}
     claimed: set[str] = set()
+    there: dict[str, bool] = {}  # folder -> exists, once per folder
     for plan in plans:
         if plan.pre is not None or plan.post is None:
             continue
-        parents = list(PurePosixPath(plan.path).parents)[:-2]  # stop above vllm/
-        missing = [str(d) for d in reversed(parents) if not (tree.root / d).exists()]
+        parents = _folders_below_vllm(plan.path)
+        for d in parents:
+            if d not in there:
+                there[d] = (tree.root / d).exists()
+        missing = [d for d in reversed(parents) if not there[d]]
         made[plan.path] = tuple(d for d in missing if d not in claimed)
         claimed.update(missing)
     return made
@@ -213,8 +251,8 @@ def _emptied_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tup
     its additions: they go with the file, as with `git apply` (an empty folder would import as
     an empty namespace package), and the ledger names them so a revert re-creates them."""
     gone = {p.path for p in plans if p.post is None}
-    kept = {str(d) for p in plans if p.post is not None for d in PurePosixPath(p.path).parents}
-    candidates = {str(d) for g in gone for d in list(PurePosixPath(g).parents)[:-2]}
+    kept = {d for p in plans if p.post is not None for d in _folders_below_vllm(p.path)}
+    candidates = {d for g in gone for d in _folders_below_vllm(g)}
     emptied: set[str] = set()
     for folder in sorted(candidates - kept, key=_depth, reverse=True):  # children first
         try:
@@ -226,7 +264,7 @@ def _emptied_dirs(tree: VllmTree, plans: list[engine.FilePlan]) -> dict[str, tup
     out: dict[str, tuple[str, ...]] = {}
     claimed: set[str] = set()
     for path in sorted(gone):
-        parents = [str(d) for d in reversed(list(PurePosixPath(path).parents)[:-2])]
+        parents = list(reversed(_folders_below_vllm(path)))
         out[path] = tuple(d for d in parents if d in emptied and d not in claimed)
         claimed.update(out[path])
     return out
@@ -286,9 +324,9 @@ def to_changes(tree: VllmTree, chains: Iterable[engine.Chain], plans: list[engin
     from m3patch.patching import engine, writer  # deferred: only a run that writes needs them
 
     by_path = {c.path: c for c in chains}
+    safe_targets(tree.root, [p.path for p in plans])
     changes = []
     for p in plans:
-        safe_target(tree.root, p.path)
         folders = dirs.get(p.path, ())
         if p.pre is None:
             changes.append(writer.Change(p.path, p.pre, p.post, p.data,
@@ -298,6 +336,16 @@ def to_changes(tree: VllmTree, chains: Iterable[engine.Chain], plans: list[engin
             changes.append(writer.Change(p.path, p.pre, p.post, p.data,
                                          drop_dirs=folders if p.post is None else ()))
     return changes
+
+
+def _images(series: Series, mode: Mode, only: Iterable[str] | None) -> ImagePack | None:
+    """The image memo of this lock for a plain strict apply (offset mode applies hunks where
+    they now fit, and --only some patches leaves other files at intermediate pins)."""
+    if only or mode != Mode.STRICT:
+        return None
+    from m3patch.patching import image_memo  # deferred: only a run that plans needs it
+
+    return image_memo.load(series.require_lock())
 
 
 def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
@@ -315,11 +363,12 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         if done is not None:
             return done
     patches = load_patches(series, pins.raw)
+    images = _images(series, mode, only)
     with locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
         refuse_other_series(snap, tree)
         chains = _selected(snap, only)
-        plans = _plan(snap, chains, mode)
+        plans = _plan(snap, chains, mode, images)
         made = folders_of(tree, plans)
         ledger = _ledger_for(snap, tree, mode, target, plans, made)
         if not dry_run and (plans or not _same(snap.ledger, ledger)):
@@ -329,6 +378,8 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
 
             writer.commit(tree.root, to_changes(tree, chains, plans, made, "add"),
                           ledger.to_bytes())
+            if images is None:
+                _remember_images(series, snap, plans)
     wanted = {s.patch_id for c in chains for s in c.steps}
     by_path = {c.path: c for c in chains}
     pending = {s.patch_id for p in plans for s in by_path[p.path].steps}

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -46,7 +47,7 @@ class Hunk:
 class FilePatch:
     path: str  # relative to the tree root, always under vllm/
     kind: FileKind
-    hunks: tuple[Hunk, ...]
+    hunks: Sequence[Hunk]  # a tuple, or the parse memo's StoredHunks (made on first use)
     new_mode: int | None  # permission bits of a git "new file mode" (add) / "deleted file mode"
 
 
@@ -381,12 +382,27 @@ def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
 
 def safe_target(root: Path, rel: str) -> Path:
     """The absolute target of a patch path, refusing symlinks on the way (HostilePatch)."""
+    return _safe(root, rel, set())
+
+
+def safe_targets(root: Path, rels: Iterable[str]) -> dict[str, Path]:
+    """`safe_target` of each path, each folder on the way inspected once for the whole batch
+    (a release-sized series has a thousand files in a few hundred folders)."""
+    plain: set[str] = set()
+    return {rel: _safe(root, rel, plain) for rel in rels}
+
+
+def _safe(root: Path, rel: str, plain: set[str]) -> Path:
     parts = check_rel_path(rel, str(root)).split("/")
     current = str(root)
     for depth, part in enumerate(parts, start=1):
         current = f"{current}/{part}"  # plain strings: this runs per file of every command
+        if current in plain:  # a folder of this batch already found to be no link
+            continue
         try:
             if not stat.S_ISLNK(os.lstat(current).st_mode):
+                if depth < len(parts):
+                    plain.add(current)
                 continue
         except OSError as exc:
             if exc.errno in _ABSENT:  # as Path.is_symlink: nothing there is no link

@@ -6,6 +6,7 @@ the line AFTER which lines go, so the 0-based index is the number itself, not nu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from m3patch.errors import PatchConflict
@@ -86,7 +87,7 @@ def first_difference(lines: list[str], at: int, want: tuple[str, ...], path: str
     return f"{path}:{line}: expected {expected!r}, found {found!r}"
 
 
-def probe(lines: list[str], hunks: tuple[Hunk, ...], path: str) -> tuple[HunkState, ...]:
+def probe(lines: list[str], hunks: Sequence[Hunk], path: str) -> tuple[HunkState, ...]:
     """Per hunk: forward probe (old lines exactly at its position) and reverse (new lines)."""
     states: list[HunkState] = []
     shift = 0  # hunks already applied before this one move it by their size change
@@ -110,7 +111,7 @@ def probe(lines: list[str], hunks: tuple[Hunk, ...], path: str) -> tuple[HunkSta
     return tuple(states)
 
 
-def apply_exact(lines: list[str], hunks: tuple[Hunk, ...], path: str) -> list[str]:
+def apply_exact(lines: list[str], hunks: Sequence[Hunk], path: str) -> list[str]:
     """Apply hunks at exactly their header positions; any mismatch is a PatchConflict."""
     out = list(lines)
     shift = 0
@@ -146,7 +147,7 @@ def _locate_unique(lines: list[str], hunk: Hunk, want: tuple[str, ...], floor: i
     return places[0]
 
 
-def apply_offset(lines: list[str], hunks: tuple[Hunk, ...],
+def apply_offset(lines: list[str], hunks: Sequence[Hunk],
                  path: str) -> tuple[list[str], tuple[HunkState, ...]]:
     """Porting mode: each hunk's exact old lines, found once anywhere after the previous hunk."""
     out = list(lines)
@@ -166,7 +167,7 @@ def apply_offset(lines: list[str], hunks: tuple[Hunk, ...],
     return out, tuple(states)
 
 
-def already_in(lines: list[str], hunks: tuple[Hunk, ...]) -> bool:
+def already_in(lines: list[str], hunks: Sequence[Hunk]) -> bool:
     """True when every hunk's new lines occur exactly once and none of its old lines do:
     the change is already in this file (upstream took it), so the patch can be dropped."""
     for hunk in hunks:

@@ -1,4 +1,5 @@
-"""Whether this process may add to m3patch's memos (parsed patches, compiled contents).
+"""Whether this process may add to m3patch's memos (parsed patches, compiled contents,
+post-images).
 
 A memo only saves time, so a command that promises to write nothing (`locate`, `verify`,
 `status`, `apply`/`revert --dry-run`) reads the memos and never adds to them: it leaves the machine as it found it, the

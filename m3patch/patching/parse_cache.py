@@ -13,8 +13,9 @@ rewritten. A memo that cannot be written is only a slower next run; a read-only 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from m3patch.errors import M3PatchError, TreeIOError
 from m3patch.fsio import read_json, write_cache_json
@@ -68,15 +69,52 @@ def _to_json(patch: PatchFile, sha256: str) -> dict[str, Any]:
         for f in patch.files]}
 
 
-def _lines(raw: object) -> tuple[str, ...]:
-    """A hunk side is stored joined: within a side only the last line can lack its newline, so
+class StoredHunks(Sequence[Hunk]):
+    """A memo entry's hunks, checked when read and made into Hunk objects on first use: a warm
+    apply whose post-images come from the image memo never looks at them.
+
+    A hunk side is stored joined: within a side only the last line can lack its newline, so
     splitting after each newline gives the lines back exactly (and a one-string side is fast
     to check). Whatever a tampered memo holds, each applied result is still checked against
     the post-image hash the lock pins."""
-    if not isinstance(raw, str):
-        msg = "lines"
-        raise TypeError(msg)
-    return tuple(split_lines(raw))
+
+    __slots__ = ("_hunks", "_raw")
+
+    def __init__(self, raw: list[tuple[int, int, int, str, str, str]]) -> None:
+        self._raw: list[tuple[int, int, int, str, str, str]] | None = raw
+        self._hunks: tuple[Hunk, ...] | None = None
+
+    def _all(self) -> tuple[Hunk, ...]:
+        if self._hunks is None:
+            raw = self._raw or []
+            self._hunks = tuple(Hunk(i, old, tuple(split_lines(a)), new, tuple(split_lines(b)), h)
+                                for i, old, new, h, a, b in raw)
+            self._raw = None
+        return self._hunks
+
+    @overload
+    def __getitem__(self, index: int) -> Hunk: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Hunk, ...]: ...
+    def __getitem__(self, index: int | slice) -> Hunk | tuple[Hunk, ...]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._raw) if self._raw is not None else len(self._all())
+
+    def __iter__(self) -> Iterator[Hunk]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, StoredHunks)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 def _int(raw: object) -> int:
@@ -86,11 +124,12 @@ def _int(raw: object) -> int:
     return raw
 
 
-def _hunk(raw: object) -> Hunk:
-    if not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[3], str):
+def _hunk(raw: object) -> tuple[int, int, int, str, str, str]:
+    if (not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[3], str)
+            or not isinstance(raw[4], str) or not isinstance(raw[5], str)):
         msg = "hunk"
         raise TypeError(msg)
-    return Hunk(_int(raw[0]), _int(raw[1]), _lines(raw[4]), _int(raw[2]), _lines(raw[5]), raw[3])
+    return _int(raw[0]), _int(raw[1]), _int(raw[2]), raw[3], raw[4], raw[5]
 
 
 def _file(raw: object, name: str) -> FilePatch:
@@ -101,7 +140,7 @@ def _file(raw: object, name: str) -> FilePatch:
     if not isinstance(path, str) or check_rel_path(path, name) != path or not isinstance(hunks, list):
         msg = "path"
         raise TypeError(msg)
-    return FilePatch(path, kind, tuple(_hunk(h) for h in hunks),
+    return FilePatch(path, kind, StoredHunks([_hunk(h) for h in hunks]),
                      None if mode is None else _int(mode))
 
 

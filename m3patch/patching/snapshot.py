@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from m3patch.errors import PatchConflict, TreeIOError, VersionMismatch
-from m3patch.patching.diffs import safe_target
+from m3patch.fsio import read_bytes
+from m3patch.patching.diffs import safe_targets
 from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
 from m3patch.patching.locate import VllmTree, check_target
 from m3patch.patching.series import Series
@@ -35,10 +36,9 @@ VERSION_FILE = "vllm/_version.py"
 
 def read_files(tree: VllmTree, paths: list[str]) -> dict[str, bytes | None]:
     out: dict[str, bytes | None] = {}
-    for rel in paths:
-        path = safe_target(tree.root, rel)
+    for rel, path in safe_targets(tree.root, paths).items():
         try:
-            out[rel] = path.read_bytes()
+            out[rel] = read_bytes(path)
         except FileNotFoundError:
             out[rel] = None
         except IsADirectoryError:

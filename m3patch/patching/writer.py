@@ -214,13 +214,13 @@ def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes |
     replace_atomic(journal_path(root), json.dumps(body).encode())
 
 
-def _keep_owner(stage: Path, target: os.stat_result) -> None:
+def _keep_owner(stage: str, target: os.stat_result) -> None:
     """The staged file gets the target's owner where it differs (created with its mode already:
     one stat saved per file); chmod again after chown, which may clear set-id bits."""
-    mine = stage.stat()
+    mine = os.stat(stage)
     if (mine.st_uid, mine.st_gid) != (target.st_uid, target.st_gid):
         os.chown(stage, target.st_uid, target.st_gid)
-        stage.chmod(stat.S_IMODE(target.st_mode))
+        os.chmod(stage, stat.S_IMODE(target.st_mode))
 
 
 def _entry(change: Change) -> Entry:
@@ -232,13 +232,15 @@ def _entry(change: Change) -> Entry:
 
 
 def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
-    target = root / change.path
+    # plain strings, not Paths: this runs per file of a transaction of a thousand files
+    target = f"{root}/{change.path}"
+    folder = target.rpartition("/")[0]
     if entry.backup is not None:
-        backup = target.parent / entry.backup
+        backup = f"{folder}/{entry.backup}"
         try:
             os.link(target, backup)  # a second name for the pre-image, no copy
         except FileExistsError:  # a killed run's leftover: replaced, never written through
-            backup.unlink()
+            os.unlink(backup)
             os.link(target, backup)
         steps.done()
     if entry.made_dirs:
@@ -247,29 +249,29 @@ def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
         steps.done()
     if entry.stage is not None and change.data is not None:
         # durable with the whole stage at once (make_durable in commit), before the commit phase
-        info = target.stat() if change.pre is not None else None
+        info = os.stat(target) if change.pre is not None else None
         mode = stat.S_IMODE(info.st_mode) if info is not None else change.mode or DEFAULT_MODE
-        write_new(target.parent / entry.stage, change.data, mode, sync=False)
+        write_new(f"{folder}/{entry.stage}", change.data, mode, sync=False)
         if info is not None:
-            _keep_owner(target.parent / entry.stage, info)
+            _keep_owner(f"{folder}/{entry.stage}", info)
         steps.done()
 
 
 def _swap(root: Path, entry: Entry) -> None:
-    target = root / entry.path
+    target = f"{root}/{entry.path}"
     if entry.post is None:
         with contextlib.suppress(FileNotFoundError):
-            target.unlink()
+            os.unlink(target)
     elif entry.stage is not None:
         with contextlib.suppress(FileNotFoundError):  # already swapped (a recovered run)
-            (target.parent / entry.stage).replace(target)
+            os.replace(f"{target.rpartition('/')[0]}/{entry.stage}", target)
 
 
 def _folders(root: Path, entries: list[Entry]) -> list[Path]:
     """The folders whose entries a transaction changes: each file's, and above each it made."""
-    out = [(root / e.path).parent for e in entries]
-    out += [(root / d).parent for e in entries for d in e.made_dirs]
-    return [d for d in dict.fromkeys(out) if d.exists()]
+    out = [f"{root}/{e.path}".rpartition("/")[0] for e in entries]
+    out += [f"{root}/{d}".rpartition("/")[0] for e in entries for d in e.made_dirs]
+    return [Path(d) for d in dict.fromkeys(out) if os.path.exists(d)]
 
 
 def _stage_durable(root: Path, entries: list[Entry]) -> None:
@@ -290,7 +292,7 @@ def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Step
     for entry in entries:
         if entry.backup:
             with contextlib.suppress(FileNotFoundError):
-                ((root / entry.path).parent / entry.backup).unlink()
+                os.unlink(f"{root}/{entry.path}".rpartition("/")[0] + f"/{entry.backup}")
     steps.done()
     if any(e.drop_dirs for e in entries):
         _remove_dirs(root, [d for e in entries for d in e.drop_dirs])

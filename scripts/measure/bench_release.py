@@ -93,6 +93,11 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
     series = work / "release-series"
     counts = release_series(old, new, series)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+    for code in codes.values():  # bytecode, as `pip install` leaves an installed m3patch: a
+        # checkout run under PYTHONDONTWRITEBYTECODE=1 would compile every module on each run
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(code / "m3patch")],
+                       env={**base_env, "PYTHONDONTWRITEBYTECODE": ""}, check=True,
+                       capture_output=True)
     first = next(iter(codes.values()))
     subprocess.run([sys.executable, "-m", "m3patch", "series", "lock", "--series", str(series),
                     "--tree", str(old)], cwd=first, env=base_env, check=True,

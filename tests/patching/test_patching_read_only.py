@@ -1,5 +1,5 @@
 """The read-only commands (locate, status, verify, and apply/revert --dry-run) write nothing
-anywhere: not into the tree, not into m3patch's own cache (the parsed-patch and compile memos only apply may grow)."""
+anywhere: not into the tree, not into m3patch's own cache (the parsed-patch, compile and image memos only apply may grow)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def test_locate_status_verify_write_nothing_and_apply_fills_the_memos(
     assert (_snapshot(vllm_tree), _snapshot(cache)) == (before_tree, before_cache)
     assert m3patch_cli("apply", *where, env=env).returncode == 0
     assert any((cache / "parsed").iterdir())  # the control: a writing command does fill it
+    assert any((cache / "images").iterdir())
     read_only_round()  # patched: verify compiles every patched .py
 
 

@@ -186,3 +186,25 @@ def test_ledger_folders_not_above_their_file_are_never_removed(
     revert_series(tree, series)
     assert keep.is_dir()
     assert verify_against_record(vllm_tree) == []
+
+
+def test_the_ledger_written_with_one_row_per_file_is_the_same_document() -> None:
+    """The ledger's rows are written by json's C encoder, one line per file, around an indented
+    head; the document must be the one the indented encoder gives, whatever a value holds
+    (the mark that stands for the rows included)."""
+    import json
+    from dataclasses import asdict
+
+    from m3patch.patching.ledger import LedgerFile, new_ledger, parse_ledger
+    from m3patch.patching.states import Mode
+
+    rows = (LedgerFile("vllm/x/a.py", None, "a" * 64, ("vllm/x",)),
+            LedgerFile("vllm/b.py", "b" * 64, None))
+    for files in ((), rows):
+        ledger = new_ledger(series="s", mode=Mode.STRICT, vllm_version="0.33.0",
+                            vllm_commit=None, version_note='\x00files\x00 "files": [',
+                            patches=("p1",), files=files)
+        data = ledger.to_bytes()
+        assert json.loads(data) == json.loads(json.dumps(asdict(ledger), indent=2))
+        assert data.count(b"\n") == 14 + len(files) + (1 if files else 0)  # a row a line
+        assert parse_ledger(data, "ledger.json") == ledger

@@ -268,9 +268,11 @@ def spec_target(world: World) -> sf.Target:
 
 
 def cache_target(world: World, name: str) -> sf.Target:
-    """The parsed-patch memo (one patch's entry) or the compile memo, through status / verify /
-    apply (--verify) on the real tree with M3PATCH_CACHE at the world's cache folder."""
-    from m3patch.patching import compile_memo, parse_cache
+    """The parsed-patch memo (one patch's entry), the compile memo or the image memo (the
+    series' post-images), through status / verify / apply (--verify) / revert on the real tree
+    with M3PATCH_CACHE at the world's cache folder."""
+    from m3patch.patching import compile_memo, image_memo, parse_cache
+    from m3patch.patching.series import load_series
     from m3patch.patching.ledger import digest
 
     box = world.box
@@ -285,14 +287,15 @@ def cache_target(world: World, name: str) -> sf.Target:
             main(["apply", "--verify", *tree])
         patch = sorted(box.series.glob("*.patch"))[0]
         path = (parse_cache._path(digest(patch.read_bytes())) if name == "parsed memo"
-                else compile_memo.memo_path())
+                else compile_memo.memo_path() if name == "compile memo"
+                else image_memo._path(image_memo.pack_key(load_series(box.series).require_lock())))
     real = path.read_bytes()
     zero = sf.tree_target(box, "ledger.json").check_zero
     hashes = [h for h in box.finals.values() if h]
 
     def run(rng: random.Random, _: Path) -> tuple[list[str], str]:
         sf._tree_state(box, rng)
-        for folder in ("parsed", "compiled"):  # the other memo's folder too: labels stay true
+        for folder in ("parsed", "compiled", "images"):  # the others too: labels stay true
             _restore_folder(world.cache / folder)
         if rng.random() < 0.2:  # the cache's folder itself: a link (outside), a file, a FIFO
             sf._remove(path.parent)
@@ -301,6 +304,8 @@ def cache_target(world: World, name: str) -> sf.Target:
                 label = "folder: link -> outside"
             else:
                 label = "folder: " + sf.variant(rng, path.parent, b"", box.outside, [])
+        elif name == "image memo" and rng.random() < 0.6:
+            label = _pack_variant(rng, path, real, hashes)
         else:
             label = sf.variant(rng, path, real, box.outside, [*hashes, "x" * 64, 2, 1])
         command = rng.choice([["status"], ["verify"], ["apply", "--verify"], ["apply"],
@@ -313,6 +318,32 @@ def cache_target(world: World, name: str) -> sf.Target:
         folder.mkdir(parents=True, exist_ok=True)
 
     return sf.Target(name, run, lambda argv: argv[0] in ("status", "verify"), zero)
+
+
+def _pack_variant(rng: random.Random, path: Path, real: bytes, hashes: list[str]) -> str:
+    """An image pack that keeps its shape but lies: images swapped, bytes changed at the same
+    length, lengths shifted, a header entry naming another pin, or the header's JSON mutated."""
+    magic, header_line, rest = real.split(b"\n", 2)
+    header = json.loads(header_line)
+    images = header["images"]
+    choice = rng.randrange(5)
+    if choice == 0 and len(images) > 1:  # two images' hashes swapped
+        i, j = rng.sample(range(len(images)), 2)
+        images[i][0], images[j][0] = images[j][0], images[i][0]
+    elif choice == 1 and rest:  # one byte changed, every length still right
+        at = rng.randrange(len(rest))
+        rest = rest[:at] + bytes([rest[at] ^ 0x20]) + rest[at + 1:]
+    elif choice == 2:  # a length moved from one image to the next
+        i, delta = rng.randrange(len(images)), rng.choice([-1, 1])
+        images[i][1] += delta
+        images[(i + 1) % len(images)][1] -= delta
+    elif choice == 3:  # an entry claims another pin's hash
+        rng.choice(images)[0] = rng.choice(hashes)
+    else:
+        header = sf._mutate_doc(rng, header, [*hashes, "x" * 64, -1, 2**40, None, True])
+    sf._remove(path)
+    path.write_bytes(magic + b"\n" + json.dumps(header).encode() + b"\n" + rest)
+    return ["swapped", "flipped byte", "shifted length", "claims another pin", "header"][choice]
 
 
 # ---------------------------------------------------------------- readers without a command
@@ -503,7 +534,8 @@ def parser_cache_target(world: World) -> sf.Target:
 def targets(world: World) -> list[sf.Target]:
     return [cell_target(world), recipe_target(world), spec_target(world),
             cache_target(world, "parsed memo"),
-            cache_target(world, "compile memo"), rendezvous_target(world),
+            cache_target(world, "compile memo"), cache_target(world, "image memo"),
+            rendezvous_target(world),
             tune_cache_target(world), marker_cache_target(world), parser_cache_target(world)]
 
 

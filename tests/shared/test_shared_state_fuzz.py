@@ -18,8 +18,9 @@ SAMPLE = 210  # 30 per target: about 10 s on the CI machine
 EXTENDED = 10_500  # 1,500 per target
 
 
-MORE_SAMPLE = 270  # 30 per target: about 8 s on the CI machine
-MORE_EXTENDED = 10_800  # 1,200 per target
+MORE_TARGETS = 10
+MORE_SAMPLE = 30 * MORE_TARGETS  # about 9 s on the CI machine
+MORE_EXTENDED = 1_200 * MORE_TARGETS
 
 
 def _check(tallies: dict[str, sf.Tally], per_target: int) -> None:
@@ -47,12 +48,12 @@ def test_hostile_state_files_extended(tmp_path: Path) -> None:
 
 
 def test_hostile_cells_recipes_records_and_caches_sample(tmp_path: Path) -> None:
-    _check(sm.fuzz(tmp_path, MORE_SAMPLE, seed=0), MORE_SAMPLE // 9)
+    _check(sm.fuzz(tmp_path, MORE_SAMPLE, seed=0), MORE_SAMPLE // MORE_TARGETS)
 
 
 @pytest.mark.extended
 def test_hostile_cells_recipes_records_and_caches_extended(tmp_path: Path) -> None:
-    _check(sm.fuzz(tmp_path, MORE_EXTENDED, seed=1), MORE_EXTENDED // 9)
+    _check(sm.fuzz(tmp_path, MORE_EXTENDED, seed=1), MORE_EXTENDED // MORE_TARGETS)
 
 
 def test_the_state_oracle_sees_a_write_outside(tmp_path: Path) -> None:

@@ -1,0 +1,160 @@
+"""The image memo (post-images by the lock's pins) and the parse memo's hunks made on first use:
+a warm apply gives the same tree as a cold one, takes no hunk from a pack that lies, and never
+trusts a pack of another lock or of the wrong shape."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from core_helpers import REPO
+
+from m3patch.patching import engine, image_memo, memo, parse_cache
+from m3patch.patching.api import apply_series
+from m3patch.patching.diffs import parse_patch
+from m3patch.patching.ledger import digest
+from m3patch.patching.locate import tree_at
+from m3patch.patching.pristine import copy_tree
+from m3patch.patching.series import load_series
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("M3PATCH_CACHE", str(folder))
+    memo.start_command(read_only=False)  # as the CLI does per command: not what ran before
+    yield folder
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "vllm").rglob("*"))
+            if p.is_file() and ".m3patch" not in p.parts}
+
+
+def _count_post_images(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths whose post-image this process computes from the hunks."""
+    computed: list[str] = []
+    real = engine.post_image
+
+    def counting(chain: engine.Chain, stage: int, data: bytes | None) -> engine.FilePlan:
+        computed.append(chain.path)
+        return real(chain, stage, data)
+
+    monkeypatch.setattr(engine, "post_image", counting)
+    return computed
+
+
+def _apply(pristine: Path, dest: Path, series_dir: Path) -> Path:
+    root = copy_tree(pristine, dest)
+    apply_series(tree_at(root), load_series(series_dir))
+    return root
+
+
+def _pack(series_dir: Path) -> Path:
+    return image_memo._path(image_memo.pack_key(load_series(series_dir).require_lock()))
+
+
+def test_a_warm_apply_takes_every_post_image_from_the_pack_and_writes_the_same_tree(
+        pristine_033: Path, test_series: Path, tmp_path: Path, cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    computed = _count_post_images(monkeypatch)
+    cold = _apply(pristine_033, tmp_path / "cold", test_series)
+    assert computed and _pack(test_series).is_file()
+    computed.clear()
+    warm = _apply(pristine_033, tmp_path / "warm", test_series)
+    assert computed == []  # every image came from the pack
+    assert _files(warm) == _files(cold)
+
+
+@pytest.mark.parametrize("lie", ["flipped byte", "swapped hashes"])
+def test_an_image_that_does_not_hash_to_its_pin_is_computed_from_the_hunks(
+        lie: str, pristine_033: Path, test_series: Path, tmp_path: Path, cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    computed = _count_post_images(monkeypatch)
+    cold = _apply(pristine_033, tmp_path / "cold", test_series)
+    pack = _pack(test_series)
+    magic, header_line, rest = pack.read_bytes().split(b"\n", 2)
+    header = json.loads(header_line)
+    if lie == "flipped byte":  # the first image changed, its length and every other kept
+        rest = bytes([rest[0] ^ 0x20]) + rest[1:]
+        liars = 1
+    else:
+        assert len(header["images"]) > 1
+        first, second = header["images"][:2]
+        first[0], second[0] = second[0], first[0]
+        liars = 2
+    pack.write_bytes(magic + b"\n" + json.dumps(header).encode() + b"\n" + rest)
+    computed.clear()
+    warm = _apply(pristine_033, tmp_path / "warm", test_series)
+    assert len(computed) == liars
+    assert _files(warm) == _files(cold)
+
+
+def test_a_pack_of_another_lock_or_of_the_wrong_shape_is_no_pack(
+        pristine_033: Path, test_series: Path, tmp_path: Path, cache: Path) -> None:
+    _apply(pristine_033, tmp_path / "cold", test_series)
+    lock = load_series(test_series).require_lock()
+    pack = _pack(test_series)
+    good = pack.read_bytes()
+    assert image_memo.load(lock) is not None
+    magic, header_line, rest = good.split(b"\n", 2)
+    header = json.loads(header_line)
+
+    def with_header(changed: object) -> bytes:
+        return magic + b"\n" + json.dumps(changed).encode() + b"\n" + rest
+
+    first = header["images"][0]
+    bad = {
+        "another lock": with_header({**header, "key": "0" * 64}),
+        "torn": good[:-1],
+        "trailing bytes": good + b"x",
+        "no magic": good[len(magic) + 1:],
+        "no header end": magic + b"\n" + header_line,
+        "header not JSON": magic + b"\n{" + b"\n" + rest,
+        "header a list": with_header([header]),
+        "negative length": with_header({**header, "images": [[first[0], -1]]}),
+        "length true": with_header({**header, "images": [[first[0], True]]}),
+        "not a sha256": with_header({**header, "images": [["x" * 64, first[1]]]}),
+        "entry of three": with_header({**header, "images": [[*first, 0]]}),
+    }
+    for label, data in bad.items():
+        pack.unlink()
+        pack.write_bytes(data)
+        assert image_memo.load(lock) is None, label
+    pack.unlink()
+    pack.symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(good)
+    assert image_memo.load(lock) is None  # never read through a link
+    pack.unlink()
+    os.mkfifo(pack)
+    assert image_memo.load(lock) is None  # a FIFO is refused, not waited on
+
+
+def test_a_planted_link_for_the_images_folder_is_not_written_through(
+        pristine_033: Path, test_series: Path, tmp_path: Path, cache: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache.mkdir()
+    (cache / "images").symlink_to(outside)
+    _apply(pristine_033, tmp_path / "cold", test_series)
+    assert list(outside.iterdir()) == []
+
+
+def test_hunks_from_the_parse_memo_equal_a_fresh_parse_of_every_shipped_patch(
+        cache: Path) -> None:
+    patches = sorted((REPO / "patches").glob("*/*.patch"))
+    assert patches
+    for path in patches:
+        data = path.read_bytes()
+        fresh = parse_patch(data, str(path))
+        parse_cache.parsed(data, str(path), digest(data))  # writes the memo
+        stored = parse_cache.parsed(data, str(path), digest(data))
+        for a, b in zip(stored.files, fresh.files, strict=True):
+            assert isinstance(a.hunks, parse_cache.StoredHunks)
+            assert len(a.hunks) == len(b.hunks)  # before the hunks are made
+            assert a == b and b == a
+            assert list(a.hunks) == list(b.hunks) and a.hunks[0] == b.hunks[0]
+            assert hash(a.hunks) == hash(tuple(b.hunks))
