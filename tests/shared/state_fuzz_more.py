@@ -272,8 +272,8 @@ def cache_target(world: World, name: str) -> sf.Target:
     series' post-images), through status / verify / apply (--verify) / revert on the real tree
     with M3PATCH_CACHE at the world's cache folder."""
     from m3patch.patching import compile_memo, image_memo, parse_cache
-    from m3patch.patching.series import load_series
     from m3patch.patching.ledger import digest
+    from m3patch.patching.series import load_series
 
     box = world.box
     tree = ["--vllm-root", str(box.root), "--series", str(box.series)]
