@@ -68,6 +68,22 @@ def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = U
     return path
 
 
+def trusted_dir(path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:
+    """A folder the user names (m3patch's cache root, a `--cache` file's folder) as the real
+    folder to write below: `owned_dir`, except that a symlink this user (or root) owns is
+    followed to a folder that passes `owned_dir` (a cache moved to another disk with a link),
+    and that folder is returned, so nothing below is reached through a link another user could
+    plant or swap. A link another user owns, or one to a file or another user's folder, is
+    `error` as before."""
+    try:
+        info = path.lstat()
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISLNK(info.st_mode) and info.st_uid in _owners():
+        return owned_dir(Path(os.path.realpath(path)), error=error)
+    return owned_dir(path, error=error)
+
+
 def owned_dirs(base: Path, path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:
     """`owned_dir` on every folder from `base` (which must already be safe) down to `path`,
     creating the missing ones: the whole way below `base` is real folders, never a link."""
@@ -233,8 +249,10 @@ def write_cache_bytes(root: Path, path: Path, data: bytes, *, durable: bool = Tr
     except OSError as exc:
         msg = f"{root}: cannot create the cache folder: {exc.strerror or exc}"
         raise TreeIOError(msg, hint=f"check that {root.parent} is writable") from None
-    owned_dirs(owned_dir(root), path.parent)
-    write_bytes_atomic(path, data, durable=durable)
+    base = trusted_dir(root)
+    target = base / path.relative_to(root)
+    owned_dirs(base, target.parent)
+    write_bytes_atomic(target, data, durable=durable)
 
 
 def _reject_constant(name: str) -> Any:

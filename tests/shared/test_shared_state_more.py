@@ -192,3 +192,71 @@ def test_a_run_folder_part_planted_as_a_link_is_never_written_through(
     (run / sub).unlink()  # the control: a plain run folder is prepared
     prepare_run_dir(SweepSettings(run, resume=True))
     assert all((run / part).is_dir() for part in ("cells", "raw", "logs"))
+
+
+# ------------------------------------------------- a cache root the user moved with a link
+
+
+def _stranger_owns(path: Path) -> None:
+    """Give `path` (not followed) to a uid that is neither this user nor root."""
+    os.lchown(path, 54321, 54321)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's link or folder needs root")
+def test_a_cache_root_moved_with_the_users_own_link_keeps_the_memos(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `M3PATCH_CACHE` (or ~/.cache/m3patch) a link to another disk turned every memo off
+    without a word (each write refused the link) while the agentic trace cache refused it with
+    40. Now a link this user owns leads to the real folder, which is written below; a link or
+    folder another user owns is still refused."""
+    from m3patch.bench.agentic import synthesize
+    from m3patch.errors import AgenticTraceError
+
+    disk = tmp_path / "other-disk" / "m3patch"
+    disk.mkdir(parents=True)
+    link = tmp_path / "cache-link"
+    link.symlink_to(disk)
+    monkeypatch.setenv("M3PATCH_CACHE", str(link))
+    root = copy_tree(pristine_033, tmp_path / "site-packages")
+    assert main(["apply", "--verify", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert {p.name for p in disk.iterdir()} >= {"parsed", "compiled", "images"}
+    assert all(not p.is_symlink() for p in disk.iterdir())
+    assert synthesize._cache_folder() == disk.resolve() / synthesize.CACHE_DIR
+
+    stranger = tmp_path / "strangers-link"
+    stranger.symlink_to(disk)
+    _stranger_owns(stranger)
+    monkeypatch.setenv("M3PATCH_CACHE", str(stranger))
+    with pytest.raises(AgenticTraceError, match="symlink"):
+        synthesize._cache_folder()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    _stranger_owns(foreign)
+    (tmp_path / "link-to-foreign").symlink_to(foreign)
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "link-to-foreign"))
+    with pytest.raises(AgenticTraceError, match="owned by uid 54321"):
+        synthesize._cache_folder()
+    revert = ["revert", "--vllm-root", str(root), "--series", str(TEST_SERIES)]
+    assert main(revert) == 0
+    assert main(["apply", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert list(foreign.iterdir()) == []  # a memo is only time: nothing written there
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's folder needs root")
+def test_a_tune_cache_folder_another_user_owns_is_never_appended_to(tmp_path: Path) -> None:
+    """Before: a `--cache` file in a folder another user owns (who could swap its entries for
+    links between two appends) was appended to; only the file itself was checked (O_NOFOLLOW).
+    The user's own link to their folder is followed."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    _stranger_owns(foreign)
+    cache = ResultCache(foreign / "tune.jsonl")
+    cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
+    assert cache.get("s", 1, "c", "quick") is not None  # kept in memory
+    assert list(foreign.iterdir()) == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (tmp_path / "my-link").symlink_to(mine)
+    cache = ResultCache(tmp_path / "my-link" / "tune.jsonl")
+    cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
+    assert len((mine / "tune.jsonl").read_text().splitlines()) == 1

@@ -30,7 +30,7 @@ from typing import Any
 from m3patch.bench.agentic.aiperf import AIPERF_VERSION, SETUP_HINT, aiperf_binary
 from m3patch.bench.client import POLL_SECONDS, STOP_LADDER
 from m3patch.errors import AgenticTraceError
-from m3patch.fsio import owned_dir, parse_json, read_state, write_bytes_atomic
+from m3patch.fsio import owned_dir, parse_json, read_state, trusted_dir, write_bytes_atomic
 from m3patch.patching.pristine import cache_root
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 from m3patch.serving.processes import start_group, stop_group
@@ -229,8 +229,8 @@ def _cache_folder() -> Path:
     except OSError as exc:
         msg = f"cannot create the cache folder {root}: {exc.strerror or exc}"
         raise AgenticTraceError(msg, hint="set M3PATCH_CACHE to a writable folder") from None
-    owned_dir(root, error=AgenticTraceError)
-    return owned_dir(root / CACHE_DIR, create=True, error=AgenticTraceError)
+    base = trusted_dir(root, error=AgenticTraceError)  # a cache moved with the user's own link
+    return owned_dir(base / CACHE_DIR, create=True, error=AgenticTraceError)
 
 
 def _valid_cached(path: Path, block: int) -> bytes | None:
