@@ -156,8 +156,8 @@ def release(args: argparse.Namespace) -> int:
     codes = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="m3patch-release-") as tmp:
-        counts, rows = release_rows(Path(tmp), args.release_runs, codes)
-    print_rows(counts, rows)
+        counts, rows, per_run = release_rows(Path(tmp), args.release_runs, codes)
+    print_rows(counts, rows, per_run)
     out = args.out if args.out != REPO / "docs" / "results" / "bench_core.json" else (
         REPO / "docs" / "results" / "bench_release.json")
     report = {"series": counts, "python": sys.version.split()[0],
@@ -168,7 +168,7 @@ def release(args: argparse.Namespace) -> int:
               "machine": f"{platform.platform()} ({os.cpu_count()} cores, shared with other "
                          "jobs: see load_avg)", "cpus": os.cpu_count(),
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "per_run": per_run, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(report, indent=2, allow_nan=False)
     for path, name in ((str(REPO) + "/", ""), (str(Path.home()), "~")):
         text = text.replace(path, name)

@@ -71,6 +71,21 @@ def on_disk(tree: Path) -> Path:
     return tree
 
 
+def create_cost(folder: Path, files: int = 500) -> float:
+    """Milliseconds to create one empty file on this file system now: the largest single cost
+    of an apply (and of `git apply`), and on this VM it varies with its page cache tenfold."""
+    probe = folder / "create-probe"
+    probe.mkdir()
+    start = time.perf_counter()
+    for index in range(files):
+        os.close(os.open(probe / f"f{index}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    cost = (time.perf_counter() - start) / files * 1e3
+    for index in range(files):
+        (probe / f"f{index}").unlink()
+    probe.rmdir()
+    return cost
+
+
 def timed(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, float]:
     """(wall, cpu) seconds of one run; a failure stops the benchmark with its output."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -83,9 +98,11 @@ def timed(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, flo
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[str, int], list[dict[str, object]]]:
+def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[
+        dict[str, int], list[dict[str, object]], list[dict[str, float]]]:
     """Time git apply and, per code checkout in `codes` (label -> folder), m3patch apply and
-    verify, cold and warm, `runs` times each; rows of medians."""
+    verify, cold and warm, `runs` times each; rows of medians, and per run the file-creation
+    cost beside `git apply` and the first checkout's warm apply."""
     sys.path.insert(0, str(next(iter(codes.values()))))
     from m3patch.patching.pristine import copy_tree, pristine_tree
 
@@ -98,13 +115,16 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(code / "m3patch")],
                        env={**base_env, "PYTHONDONTWRITEBYTECODE": ""}, check=True,
                        capture_output=True)
-    first = next(iter(codes.values()))
+    first_label, first = next(iter(codes.items()))
     subprocess.run([sys.executable, "-m", "m3patch", "series", "lock", "--series", str(series),
                     "--tree", str(old)], cwd=first, env=base_env, check=True,
                    capture_output=True)
     samples: dict[str, list[tuple[float, float]]] = {}
     patches = sorted(str(p) for p in series.glob("*.patch"))
     for run in range(runs):
+        # this VM's cost of creating a file varies tenfold with its page cache, and both tools
+        # create every patched file: each run records it, so each ratio carries its regime
+        samples.setdefault("create ms", []).append((create_cost(work), 0.0))
         tree = on_disk(copy_tree(old, work / f"git-{run}"))
         samples.setdefault("git apply", []).append(
             timed(["git", "apply", *patches], cwd=tree, env=base_env))
@@ -130,6 +150,11 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
             samples.setdefault(f"{label}: m3patch verify (after apply --verify)", []).append(
                 timed([*m3, "verify", *where], cwd=code, env=env))
             shutil.rmtree(tree)
+    creates = [ms for ms, _ in samples.pop("create ms")]
+    per_run = [{"create_ms": ms, "git_apply_s": git[0], "warm_apply_s": warm[0],
+                "warm_vs_git": warm[0] / git[0]}
+               for ms, git, warm in zip(creates, samples["git apply"],
+                                        samples[f"{first_label}: m3patch apply (warm)"], strict=True)]
     git_wall = statistics.median(w for w, _ in samples["git apply"])
     git_cpu = statistics.median(c for _, c in samples["git apply"])
     rows: list[dict[str, object]] = []
@@ -139,13 +164,18 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[dict[st
         rows.append({"command": name, "runs": len(values), "median_wall_s": wall,
                      "median_cpu_s": cpu, "min_wall_s": min(w for w, _ in values),
                      "wall_vs_git_apply": wall / git_wall, "cpu_vs_git_apply": cpu / git_cpu})
-    return counts, rows
+    return counts, rows, per_run
 
 
-def print_rows(counts: dict[str, int], rows: list[dict[str, object]]) -> None:
+def print_rows(counts: dict[str, int], rows: list[dict[str, object]],
+               per_run: list[dict[str, float]]) -> None:
     print(f"whole-release series: {counts}")
     print(f"{'command':44} {'runs':>4} {'wall s':>7} {'cpu s':>7} {'x git (wall)':>12} "
           f"{'x git (cpu)':>11}")
     for r in rows:
         print(f"{r['command']!s:44} {r['runs']!s:>4} {r['median_wall_s']:7.2f} "
               f"{r['median_cpu_s']:7.2f} {r['wall_vs_git_apply']:12.2f} {r['cpu_vs_git_apply']:11.2f}")
+    print(f"{'run':>4} {'create ms/file':>14} {'git apply s':>11} {'warm apply s':>12} {'x git':>6}")
+    for number, one in enumerate(per_run, 1):
+        print(f"{number:>4} {one['create_ms']:14.3f} {one['git_apply_s']:11.2f} "
+              f"{one['warm_apply_s']:12.2f} {one['warm_vs_git']:6.2f}")

@@ -85,27 +85,12 @@ def _fresh(copy: Callable[[Path, Path], Path], old: Path, dest: Path) -> Path:
     return tree
 
 
-def create_cost(folder: Path, files: int = 500) -> float:
-    """Milliseconds to create one empty file on this file system now: the largest single cost
-    of an apply (and of `git apply`), and on this VM it varies with its page cache tenfold."""
-    probe = folder / "create-probe"
-    probe.mkdir()
-    start = time.perf_counter()
-    for index in range(files):
-        os.close(os.open(probe / f"f{index}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    cost = (time.perf_counter() - start) / files * 1e3
-    for index in range(files):
-        (probe / f"f{index}").unlink()
-    probe.rmdir()
-    return cost
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "release_phases.json")
     args = parser.parse_args()
-    from bench_release import release_series
+    from bench_release import create_cost, release_series
 
     from m3patch.patching.pristine import copy_tree, pristine_tree
 
@@ -137,8 +122,9 @@ def main() -> int:
         profile = cProfile.Profile()
         profile.runcall(_apply, ["apply", "--vllm-root", str(tree), *where])
         stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-        calls = {label: sum(v[1] for k, v in stats.items()
-                            if pstats.func_std_string(k).endswith(key)) for label, key in COUNTED.items()}
+        name_of = pstats.func_std_string  # type: ignore[attr-defined]
+        calls = {label: sum(v[1] for k, v in stats.items() if name_of(k).endswith(key))
+                 for label, key in COUNTED.items()}
     rows = sorted(((label, statistics.median(v)) for label, v in samples.items()),
                   key=lambda row: -row[1])
     print(f"warm whole-release apply ({counts}), median of {args.runs}, wall s")
