@@ -68,20 +68,75 @@ def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = U
     return path
 
 
-def trusted_dir(path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:
-    """A folder the user names (m3patch's cache root, a `--cache` file's folder) as the real
-    folder to write below: `owned_dir`, except that a symlink this user (or root) owns is
-    followed to a folder that passes `owned_dir` (a cache moved to another disk with a link),
-    and that folder is returned, so nothing below is reached through a link another user could
-    plant or swap. A link another user owns, or one to a file or another user's folder, is
-    `error` as before."""
-    try:
-        info = path.lstat()
-    except OSError:
-        info = None
-    if info is not None and stat.S_ISLNK(info.st_mode) and info.st_uid in _owners():
-        return owned_dir(Path(os.path.realpath(path)), error=error)
-    return owned_dir(path, error=error)
+def trusted_dir(path: Path, *, create: bool = False,
+                error: type[M3PatchError] = UnsafeState) -> Path:
+    """The real folder a user-named folder (m3patch's cache root, a `--cache` file's folder)
+    leads to, checked all the way from `/` so that nothing below it can be redirected after the
+    check: every link on the way is this user's (or root's; a cache moved to another disk with a
+    link is followed), and every folder on the way is this user's or root's and cannot be
+    renamed into by a third user (not writable by others unless sticky, as /tmp; not by a group
+    other than this user's). The last folder is made when missing with `create` (each missing
+    folder a real one this user owns). Anything else is `error`, naming the part of the way at
+    fault."""
+    pending = list((Path.cwd() / path).parts[1:])
+    real, hops = Path("/"), 0
+    _check_way(real, real.lstat(), path, error)
+    while pending:
+        name = pending.pop(0)
+        if name == "..":
+            real = real.parent
+            continue
+        here = real / name
+        try:
+            info = here.lstat()
+        except FileNotFoundError:
+            if not create or ".." in pending:
+                msg = f"{path}: {here} is missing"
+                raise error(msg, hint=f"create {path} as a folder of your own") from None
+            return owned_dirs(real, here.joinpath(*pending), error=error)
+        except OSError as exc:
+            msg = f"{path}: cannot inspect {here}: {exc.strerror or exc}"
+            raise error(msg, hint=f"check the folders on the way to {path}") from None
+        if stat.S_ISLNK(info.st_mode):
+            hops += 1
+            _check_link(here, info, hops, path, error)
+            target = here.readlink()
+            real = Path("/") if target.is_absolute() else real
+            pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
+            continue
+        _check_way(here, info, path, error)
+        real = here
+    return owned_dir(real, error=error)
+
+
+def _check_link(here: Path, info: os.stat_result, hops: int, path: Path,
+                error: type[M3PatchError]) -> None:
+    if info.st_uid not in _owners():
+        msg = (f"{path}: the link {here} on the way is owned by uid {info.st_uid}, not by this "
+               f"user ({os.geteuid()}) or root")
+        raise error(msg, hint=f"point {path} at a folder of your own, not through another "
+                              "user's link")
+    if hops > 40:
+        msg = f"{path}: more than 40 links on the way (a loop at {here}?)"
+        raise error(msg, hint=f"point {path} at a real folder")
+
+
+def _check_way(here: Path, info: os.stat_result, path: Path, error: type[M3PatchError]) -> None:
+    """A folder on the way to a trusted folder: a real folder no third user can rename into."""
+    problem = None
+    sticky = bool(info.st_mode & stat.S_ISVTX)
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is not a folder"
+    elif info.st_uid not in _owners():
+        problem = f"is owned by uid {info.st_uid}, not by this user ({os.geteuid()}) or root"
+    elif info.st_mode & stat.S_IWOTH and not sticky:
+        problem = "is writable by every user (and not sticky)"
+    elif info.st_mode & stat.S_IWGRP and not sticky and info.st_gid != os.getegid():
+        problem = f"is writable by group {info.st_gid}, which is not this user's"
+    if problem is not None:
+        msg = (f"{path}: the folder {here} on the way {problem}, so another user could swap "
+               "what lies below it")
+        raise error(msg, hint=f"point {path} at a folder of your own (e.g. below your home)")
 
 
 def owned_dirs(base: Path, path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:
@@ -240,16 +295,12 @@ def write_cache_json(root: Path, path: Path, data: object, *, indent: int | None
 
 
 def write_cache_bytes(root: Path, path: Path, data: bytes, *, durable: bool = True) -> None:
-    """A cache entry at `path` below m3patch's cache `root`: the root and every folder down to
-    the entry's are real folders this user owns (made when missing), never a link a planted
+    """A cache entry at `path` below m3patch's cache `root`: the root is `trusted_dir` (made
+    when missing; the user's own link followed, nothing another user controls on the way), every
+    folder below it down to the entry's a real folder this user owns, never a link a planted
     cache folder would carry the write through; then `write_bytes_atomic`. Raises UnsafeState
     or TreeIOError: a cache that cannot be written only costs the next run time."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        msg = f"{root}: cannot create the cache folder: {exc.strerror or exc}"
-        raise TreeIOError(msg, hint=f"check that {root.parent} is writable") from None
-    base = trusted_dir(root)
+    base = trusted_dir(root, create=True)
     target = base / path.relative_to(root)
     owned_dirs(base, target.parent)
     write_bytes_atomic(target, data, durable=durable)

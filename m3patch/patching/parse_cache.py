@@ -129,6 +129,11 @@ def _hunk(raw: object) -> tuple[int, int, int, str, str, str]:
             or not isinstance(raw[4], str) or not isinstance(raw[5], str)):
         msg = "hunk"
         raise TypeError(msg)
+    for text in raw[3:]:
+        if not text.isascii():  # O(1) for ASCII: only other text pays for the check
+            # a parse stores bytes decoded with surrogateescape; text that cannot go back to
+            # bytes (a lone surrogate outside U+DC80-U+DCFF) is a forged memo, not a parse
+            text.encode("utf-8", "surrogateescape")
     return _int(raw[0]), _int(raw[1]), _int(raw[2]), raw[3], raw[4], raw[5]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m3patch.errors import UnsafeState
+from m3patch.errors import M3PatchError
 from m3patch.fsio import read_state, trusted_dir
 from m3patch.output import warn
 
@@ -97,13 +97,12 @@ class ResultCache:
                   "stage": result.stage, "us": result.us, "error": result.error,
                   "note": result.note}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             # a real folder of this user's (or one its own link leads to), never one another
             # user could swap for a link between two appends
-            folder = trusted_dir(self.path.parent)
+            folder = trusted_dir(self.path.parent, create=True)
             _append(folder / self.path.name, (json.dumps(record) + "\n").encode("utf-8"))
-        except (OSError, UnsafeState) as exc:  # a cache not written only costs a re-measure
-            why = exc.message if isinstance(exc, UnsafeState) else exc.strerror or exc
+        except (OSError, M3PatchError) as exc:  # a cache not written only costs a re-measure
+            why = exc.message if isinstance(exc, M3PatchError) else exc.strerror or exc
             warn(f"{self.path}: tune cache not written ({why}); results are kept in memory only")
             self.path = None
 

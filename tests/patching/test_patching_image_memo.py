@@ -13,7 +13,7 @@ import pytest
 from core_helpers import REPO
 
 from m3patch.patching import engine, image_memo, memo, parse_cache
-from m3patch.patching.api import apply_series
+from m3patch.patching.api import apply_series, revert_series
 from m3patch.patching.diffs import parse_patch
 from m3patch.patching.ledger import digest
 from m3patch.patching.locate import tree_at
@@ -158,3 +158,29 @@ def test_hunks_from_the_parse_memo_equal_a_fresh_parse_of_every_shipped_patch(
             assert a == b and b == a
             assert list(a.hunks) == list(b.hunks) and a.hunks[0] == b.hunks[0]
             assert hash(a.hunks) == hash(tuple(b.hunks))
+
+
+def test_a_parse_memo_with_text_that_is_no_bytes_is_parsed_again(
+        cache: Path, pristine_033: Path, tmp_path: Path) -> None:
+    """Before: a memo entry whose hunk text held a lone surrogate outside surrogateescape's range
+    (a forged memo: no parse stores one) was accepted, and the first use of its hunks ended in
+    exit 70 (UnicodeEncodeError), a revert after a warm apply that never read the hunks. Now the
+    entry is refused when read, the patch is parsed again, and apply and revert give the trees
+    of a cold run."""
+    series_dir = REPO / "patches" / "vllm-0.33.0"
+    cold = _files(_apply(pristine_033, tmp_path / "cold", series_dir))
+    for entry in (cache / "parsed").glob("*.json"):
+        body = json.loads(entry.read_text())
+        for file in body["files"]:
+            for hunk in file[3]:
+                hunk[4] += "\ud800\n"
+        entry.write_text(json.dumps(body))
+    image_memo._path(image_memo.pack_key(load_series(series_dir).require_lock())).unlink()
+    series = load_series(series_dir)
+    assert all(parse_cache._from_json(json.loads(e.read_text()), "p", e.stem) is None
+               for e in (cache / "parsed").glob("*.json"))
+    root = copy_tree(pristine_033, tmp_path / "warm")
+    apply_series(tree_at(root), series)
+    assert _files(root) == cold
+    revert_series(tree_at(root), series)
+    assert _files(root) == _files(pristine_033)

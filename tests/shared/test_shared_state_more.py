@@ -227,7 +227,7 @@ def test_a_cache_root_moved_with_the_users_own_link_keeps_the_memos(
     stranger.symlink_to(disk)
     _stranger_owns(stranger)
     monkeypatch.setenv("M3PATCH_CACHE", str(stranger))
-    with pytest.raises(AgenticTraceError, match="symlink"):
+    with pytest.raises(AgenticTraceError, match=r"link .* owned by uid 54321"):
         synthesize._cache_folder()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -260,3 +260,51 @@ def test_a_tune_cache_folder_another_user_owns_is_never_appended_to(tmp_path: Pa
     cache = ResultCache(tmp_path / "my-link" / "tune.jsonl")
     cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
     assert len((mine / "tune.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's link or folder needs root")
+def test_a_cache_reached_through_anything_another_user_controls_is_never_written(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: only the first link was checked, then the whole chain followed, so the user's link
+    to another user's link wrote every memo where that user pointed; and a cache folder inside a
+    folder another user can write (who can rename it and plant a link between the check and the
+    write) was used. Now every link and folder on the way from / is checked: such a cache is
+    not written (a memo is only time), and apply still applies."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "link").symlink_to(victim)
+    _stranger_owns(theirs / "link")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "their-link").symlink_to(victim)  # their link in my folder: still theirs
+    _stranger_owns(mine / "their-link")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone may rename what lies in it
+    caches = [(tmp_path / "via-their-folder", theirs / "link"),
+              (tmp_path / "via-their-link", mine / "their-link"),
+              (tmp_path / "in-shared", shared / "cache")]
+    for name, target in caches:
+        if name.name != "in-shared":
+            name.symlink_to(target)
+        monkeypatch.setenv("M3PATCH_CACHE", str(name if name.name != "in-shared" else target))
+        root = copy_tree(pristine_033, tmp_path / f"tree-{name.name}")
+        assert main(["apply", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+        assert main(["verify", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert list(victim.iterdir()) == []
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's folder needs root")
+def test_a_tune_cache_below_another_users_folder_makes_no_folder_there(tmp_path: Path) -> None:
+    """Before: the missing folders of `--cache` were made first (`mkdir(parents=True)`), inside
+    another user's folder too, and only then was the last one checked."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    _stranger_owns(foreign)
+    cache = ResultCache(foreign / "sub" / "tune.jsonl")
+    cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
+    assert cache.get("s", 1, "c", "quick") is not None
+    assert list(foreign.iterdir()) == []

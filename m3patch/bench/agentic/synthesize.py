@@ -29,7 +29,7 @@ from typing import Any
 
 from m3patch.bench.agentic.aiperf import AIPERF_VERSION, SETUP_HINT, aiperf_binary
 from m3patch.bench.client import POLL_SECONDS, STOP_LADDER
-from m3patch.errors import AgenticTraceError
+from m3patch.errors import AgenticTraceError, TreeIOError
 from m3patch.fsio import owned_dir, parse_json, read_state, trusted_dir, write_bytes_atomic
 from m3patch.patching.pristine import cache_root
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
@@ -223,13 +223,10 @@ def synthesized(trace: TraceSource, python: str, *, log: Path | None = None) -> 
 
 def _cache_folder() -> Path:
     """<cache>/agentic-traces as this user's real folder (a link there is refused, not followed)."""
-    root = cache_root()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        msg = f"cannot create the cache folder {root}: {exc.strerror or exc}"
-        raise AgenticTraceError(msg, hint="set M3PATCH_CACHE to a writable folder") from None
-    base = trusted_dir(root, error=AgenticTraceError)  # a cache moved with the user's own link
+    try:  # a cache moved with the user's own link is followed; nothing another user controls
+        base = trusted_dir(cache_root(), create=True, error=AgenticTraceError)
+    except TreeIOError as exc:
+        raise AgenticTraceError(exc.message, hint="set M3PATCH_CACHE to a writable folder") from None
     return owned_dir(base / CACHE_DIR, create=True, error=AgenticTraceError)
 
 
