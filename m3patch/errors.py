@@ -46,6 +46,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 
 class M3PatchError(Exception):
     """Root of every expected failure; carries its own exit code."""
@@ -237,6 +239,22 @@ class WaiverIncomplete(M3PatchError):
 
 class Interrupted(M3PatchError):
     exit_code = 130
+
+
+_pending_interrupts: list[Interrupted] = []
+
+
+def interrupt(error: Interrupted) -> NoReturn:
+    """Raise `error` for a stop signal, and keep it: a broad `except M3PatchError` around a
+    best-effort step (a memo read) may swallow the raise, and `raise_if_interrupted` in every
+    wait raises it again, so a stop request is never lost in a wait that would not end."""
+    _pending_interrupts.append(error)
+    raise error
+
+
+def raise_if_interrupted() -> None:
+    if _pending_interrupts:
+        raise _pending_interrupts[-1]
 
 
 INTERNAL_ERROR_EXIT = 70

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -30,7 +31,20 @@ TEMP_MARK = ".tmp"  # temp names: .<name>.tmp<pid>; writer.recover sweeps a kill
 def _owners() -> set[int]:
     """Who may own a folder m3patch writes through: this user, and root (a container's trees
     and system caches), never a third user who could swap its entries for links."""
-    return {os.geteuid(), 0}
+    return {os.geteuid(), 0, *_unmapped()}
+
+
+@functools.cache
+def _unmapped() -> tuple[int, ...]:
+    """In a user namespace that does not map root (a rootless container, `unshare -U`), root's
+    files (/, /tmp, /usr) show as the overflow uid, which no one inside can act as."""
+    try:
+        uid_map = Path("/proc/self/uid_map").read_text(encoding="ascii").split()
+        if uid_map[:3] == ["0", "0", "4294967295"]:
+            return ()
+        return (int(Path("/proc/sys/kernel/overflowuid").read_text(encoding="ascii")),)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ()
 
 
 def owned_dir(path: Path, *, create: bool = False, error: type[M3PatchError] = UnsafeState) -> Path:
@@ -75,12 +89,29 @@ def trusted_dir(path: Path, *, create: bool = False,
     check: every link on the way is this user's (or root's; a cache moved to another disk with a
     link is followed), and every folder on the way is this user's or root's and cannot be
     renamed into by a third user (not writable by others unless sticky, as /tmp; not by a group
-    other than this user's). The last folder is made when missing with `create` (each missing
-    folder a real one this user owns). Anything else is `error`, naming the part of the way at
-    fault."""
-    pending = list((Path.cwd() / path).parts[1:])
+    this user is not in, nor by another user or group an ACL names). The last folder is made when
+    missing with `create` (each missing folder a real one this user owns). Anything else is
+    `error`, naming the part of the way at fault."""
+    real, missing = resolve_way(path, error=error)
+    if missing:
+        if not create or ".." in missing:
+            msg = f"{path}: {real.joinpath(*missing)} is missing"
+            raise error(msg, hint=f"create {path} as a folder of your own")
+        return owned_dirs(real, real.joinpath(*missing), error=error)
+    return owned_dir(real, error=error)
+
+
+def resolve_way(path: Path, *, error: type[M3PatchError] = UnsafeState) -> tuple[Path, list[str]]:
+    """`path` resolved link by link from `/` under `trusted_dir`'s checks: the real folder the
+    existing part leads to, and the names below it that do not exist yet. Raises `error` only."""
+    try:
+        start = path if path.is_absolute() else Path.cwd() / path  # '..' left to the walk
+    except OSError as exc:  # a relative path from a working folder that was removed
+        msg = f"{path}: cannot tell where it is ({exc.strerror or exc})"
+        raise error(msg, hint=f"give {path} as an absolute path") from None
+    pending = list(start.parts[1:])
     real, hops = Path("/"), 0
-    _check_way(real, real.lstat(), path, error)
+    _check_way(real, _inspect(real, path, error), path, error)
     while pending:
         name = pending.pop(0)
         if name == "..":
@@ -90,23 +121,36 @@ def trusted_dir(path: Path, *, create: bool = False,
         try:
             info = here.lstat()
         except FileNotFoundError:
-            if not create or ".." in pending:
-                msg = f"{path}: {here} is missing"
-                raise error(msg, hint=f"create {path} as a folder of your own") from None
-            return owned_dirs(real, here.joinpath(*pending), error=error)
+            return real, [name, *pending]
         except OSError as exc:
             msg = f"{path}: cannot inspect {here}: {exc.strerror or exc}"
             raise error(msg, hint=f"check the folders on the way to {path}") from None
         if stat.S_ISLNK(info.st_mode):
             hops += 1
             _check_link(here, info, hops, path, error)
-            target = here.readlink()
+            target = _inspect_link(here, path, error)
             real = Path("/") if target.is_absolute() else real
             pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
             continue
         _check_way(here, info, path, error)
         real = here
-    return owned_dir(real, error=error)
+    return real, []
+
+
+def _inspect(here: Path, path: Path, error: type[M3PatchError]) -> os.stat_result:
+    try:
+        return here.lstat()
+    except OSError as exc:
+        msg = f"{path}: cannot inspect {here}: {exc.strerror or exc}"
+        raise error(msg, hint=f"check the folders on the way to {path}") from None
+
+
+def _inspect_link(here: Path, path: Path, error: type[M3PatchError]) -> Path:
+    try:
+        return here.readlink()
+    except OSError as exc:
+        msg = f"{path}: cannot read the link {here}: {exc.strerror or exc}"
+        raise error(msg, hint=f"check the folders on the way to {path}") from None
 
 
 def _check_link(here: Path, info: os.stat_result, hops: int, path: Path,
@@ -123,20 +167,50 @@ def _check_link(here: Path, info: os.stat_result, hops: int, path: Path,
 
 def _check_way(here: Path, info: os.stat_result, path: Path, error: type[M3PatchError]) -> None:
     """A folder on the way to a trusted folder: a real folder no third user can rename into."""
+    hint = (f"point {path} (M3PATCH_CACHE for m3patch's cache) at a folder of your own, e.g. "
+            "below your home")
+    if not stat.S_ISDIR(info.st_mode):
+        msg = f"{path}: {here} on the way is not a folder"
+        raise error(msg, hint=hint)
     problem = None
     sticky = bool(info.st_mode & stat.S_ISVTX)
-    if not stat.S_ISDIR(info.st_mode):
-        problem = "is not a folder"
-    elif info.st_uid not in _owners():
+    if info.st_uid not in _owners():
         problem = f"is owned by uid {info.st_uid}, not by this user ({os.geteuid()}) or root"
     elif info.st_mode & stat.S_IWOTH and not sticky:
         problem = "is writable by every user (and not sticky)"
-    elif info.st_mode & stat.S_IWGRP and not sticky and info.st_gid != os.getegid():
-        problem = f"is writable by group {info.st_gid}, which is not this user's"
+    elif info.st_mode & stat.S_IWGRP and not sticky:
+        problem = _group_writers(here, info)
     if problem is not None:
         msg = (f"{path}: the folder {here} on the way {problem}, so another user could swap "
                "what lies below it")
-        raise error(msg, hint=f"point {path} at a folder of your own (e.g. below your home)")
+        raise error(msg, hint=hint)
+
+
+_ACL_USER, _ACL_GROUP, _ACL_WRITE = 0x02, 0x08, 0x02
+
+
+def _group_writers(here: Path, info: os.stat_result) -> str | None:
+    """Why a group-writable folder lets a third user in, or None: the owning group is one this
+    user is in, and no ACL entry gives write to another user or group (an ACL's mask shows as
+    the group bits, so only a folder with them set can carry one)."""
+    groups = {os.getegid(), *os.getgroups()}
+    if info.st_gid not in groups:
+        return f"is writable by group {info.st_gid}, which this user is not in"
+    try:
+        acl = os.getxattr(here, "system.posix_acl_access", follow_symlinks=False)
+    except OSError:  # no ACL, or a file system without them
+        return None
+    for offset in range(4, len(acl) - 7, 8):
+        tag, perm, who = int.from_bytes(acl[offset:offset + 2], "little"), \
+            int.from_bytes(acl[offset + 2:offset + 4], "little"), \
+            int.from_bytes(acl[offset + 4:offset + 8], "little")
+        if not perm & _ACL_WRITE:
+            continue
+        if tag == _ACL_USER and who not in _owners():
+            return f"gives write to uid {who} by an ACL"
+        if tag == _ACL_GROUP and who not in groups:
+            return f"gives write to group {who} by an ACL"
+    return None
 
 
 def owned_dirs(base: Path, path: Path, *, error: type[M3PatchError] = UnsafeState) -> Path:

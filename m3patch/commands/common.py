@@ -11,7 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from m3patch.commands.flags import add_python_flag
-from m3patch.errors import Interrupted
+from m3patch.errors import Interrupted, interrupt
 from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.series import Series, find_series_dir, load_series, series_path
 
@@ -56,8 +56,8 @@ def start_tree_command(args: argparse.Namespace) -> tuple[VllmTree, Series]:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     msg = f"received signal {signal.Signals(signum).name}"
-    raise Interrupted(msg, hint="re-run the same command; the next apply or revert completes or "
-                      "rolls back an interrupted transaction")
+    interrupt(Interrupted(msg, hint="re-run the same command; the next apply or revert completes "
+                          "or rolls back an interrupted transaction"))
 
 
 def prepare_process() -> None:

@@ -39,7 +39,7 @@ class LintResult:
 def cached_pristine(version: str, dist: str = "vllm") -> Path | None:
     """The cached pristine tree, or None (a check that only runs 'when a tree is at hand')."""
     root = cache_root() / f"tree-{dist}-{version}"
-    return root if (root / DONE_MARK).is_file() else None
+    return root if path_is(root / DONE_MARK, "file") else None
 
 
 def installed_tree(recipe: Recipe) -> Path | None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import read_json, write_cache_json
+from m3patch.fsio import path_is, read_json, write_cache_json
 from m3patch.patching import memo
 from m3patch.patching.ledger import SHA256_RE
 
@@ -56,7 +56,7 @@ def known_good(key: str | None = None) -> set[str]:
         path = memo_path(key)
     except ValueError:
         return set()
-    if not path.is_file():
+    if not path_is(path, "file"):
         return set()
     try:
         body = read_json(path, error=TreeIOError, hint="", expect=dict)

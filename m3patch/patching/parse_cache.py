@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from m3patch.errors import M3PatchError, TreeIOError
-from m3patch.fsio import read_json, write_cache_json
+from m3patch.fsio import path_is, read_json, write_cache_json
 from m3patch.patching import memo
 from m3patch.patching.diffs import (
     FilePatch,
@@ -171,7 +171,7 @@ def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
     if not SHA256_RE.match(sha256):
         return parse_patch(data, name)
     path = _path(sha256)
-    if path.is_file():
+    if path_is(path, "file"):
         try:
             body = read_json(path, error=TreeIOError, hint="", expect=dict)
         except M3PatchError:

@@ -18,18 +18,58 @@ import sys
 import zipfile
 from pathlib import Path
 
-from m3patch.errors import TreeIOError, VllmNotFound
-from m3patch.output import info
+from m3patch.errors import TreeIOError, UnsafeState, VllmNotFound
+from m3patch.fsio import path_is, resolve_way, trusted_dir
+from m3patch.output import info, warn
 
 KEEP_SUFFIXES = (".py", ".json")
 DONE_MARK = ".m3patch-pristine-ok"
 
 
-def cache_root() -> Path:
+REFUSED_CACHE = Path(os.devnull, "m3patch-cache-not-used")  # below a device: nothing is there
+_trusted: dict[str, Path] = {}
+
+
+def named_cache_root() -> Path:
+    """The cache folder as named: M3PATCH_CACHE, else $XDG_CACHE_HOME/m3patch, else
+    ~/.cache/m3patch."""
     override = os.environ.get("M3PATCH_CACHE")
     if override:
         return Path(override)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "m3patch"
+
+
+def cache_root() -> Path:
+    """Where m3patch's cache is read from: the real folder the named one leads to when every
+    link and folder on the way passes `trusted_dir`'s checks (one not made yet: where it will be
+    made). When they do not, one warning, and a folder that cannot exist, so that nothing is
+    read from a cache another user could fill or redirect: every command runs as on an empty
+    cache (writes, through `write_cache_bytes`, are refused on their own)."""
+    named = named_cache_root()
+    known = _trusted.get(str(named))
+    if known is not None:
+        return known
+    try:
+        real, missing = resolve_way(named)
+    except UnsafeState as exc:
+        if str(named) not in _warned:
+            _warned.add(str(named))
+            warn(f"the cache is not used: {exc.message}; every command runs as on an empty "
+                 f"cache (hint: {exc.hint})")
+        return REFUSED_CACHE
+    if missing:  # may still be made by someone else: checked again at the next call
+        return real.joinpath(*missing)
+    _trusted[str(named)] = real  # every folder on the way is out of other users' reach
+    return real
+
+
+_warned: set[str] = set()
+
+
+def writable_cache_root() -> Path:
+    """`cache_root` for a command that must write there (a pristine tree, a downloaded wheel):
+    made when missing, and a cache another user could redirect is UnsafeState (34), not used."""
+    return trusted_dir(named_cache_root(), create=True)
 
 
 def _record_digest(data: bytes) -> str:
@@ -44,8 +84,8 @@ def _find_wheel(directory: Path, dist: str, version: str) -> Path | None:
 
 def download_wheel(dist: str, version: str) -> Path:
     """Return the cached wheel for dist==version, downloading it with pip if missing."""
-    wheels = cache_root() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
+    wheels = writable_cache_root() / "wheels"
+    wheels.mkdir(exist_ok=True)
     cached = _find_wheel(wheels, dist, version)
     if cached is not None:
         return cached
@@ -91,15 +131,15 @@ def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
     reports never download) or the file cannot be read."""
     root = cache_root() / f"tree-{dist}-{version}"
     try:
-        return (root / path).read_bytes() if (root / DONE_MARK).is_file() else None
+        return (root / path).read_bytes() if path_is(root / DONE_MARK, "file") else None
     except OSError:
         return None
 
 
 def pristine_tree(version: str, dist: str = "vllm") -> Path:
     """Root (the directory containing `vllm/`) of a pristine extracted tree; cached."""
-    root = cache_root() / f"tree-{dist}-{version}"
-    if (root / DONE_MARK).is_file():
+    root = writable_cache_root() / f"tree-{dist}-{version}"
+    if path_is(root / DONE_MARK, "file"):
         return root
     wheel = download_wheel(dist, version)
     staging = root.with_name(root.name + f".tmp{os.getpid()}")
@@ -111,7 +151,7 @@ def pristine_tree(version: str, dist: str = "vllm") -> Path:
         staging.rename(root)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)  # a concurrent run won the race
-        if not (root / DONE_MARK).is_file():
+        if not path_is(root / DONE_MARK, "file"):
             raise
     return root
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
-from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, UsageError
+from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, UsageError, raise_if_interrupted
 from m3patch.fsio import (
     DEFAULT_MODE,
     make_durable,
@@ -192,6 +192,7 @@ def tree_lock(root: Path, timeout_s: float | None = None) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                raise_if_interrupted()  # a stop signal a memo read swallowed still ends the wait
                 if time.monotonic() >= deadline:
                     msg = f"{path}: another m3patch run held the lock for {timeout_s:.0f} s"
                     raise LockTimeout(msg, hint="wait for it, or raise M3PATCH_LOCK_TIMEOUT") from None

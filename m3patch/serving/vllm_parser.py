@@ -360,7 +360,7 @@ def cache_path(python: str, version: str) -> Path:
 def cached_actions(python: str, version: str) -> ParserActions | None:
     """The parser dump a previous check cached for this interpreter and vLLM version."""
     path = cache_path(python, version)
-    if not path.is_file():
+    if not path_is(path, "file"):
         return None
     data = read_json(path, error=LaunchRejected, hint=f"delete {path}", expect=dict)
     actions = actions_from_dump(data, str(path))
@@ -399,7 +399,7 @@ def _file_hashes(tree: VllmTree, files: object) -> dict[str, str] | None:
 
 def _cached_verdict(path: Path, tree: VllmTree) -> dict[str, Any] | None:
     """A verdict cached for this launch, when every tree file it came from is unchanged."""
-    if not path.is_file():
+    if not path_is(path, "file"):
         return None
     try:
         entry = read_json(path, error=LaunchRejected, hint=f"delete {path}", expect=dict)

@@ -423,3 +423,40 @@ def test_a_lone_surrogate_in_a_ledger_path_is_a_corrupt_ledger(vllm_tree: Path,
     code, _, err = cli("status", *root)
     assert code in (0, errors.PatchConflict.exit_code), err
     assert "Traceback" not in err
+
+
+def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
+        vllm_tree: Path, test_series: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a stop signal that landed while a best-effort memo read was running raised
+    Interrupted inside its `except M3PatchError` (a memo that cannot be read is only time), so
+    the signal was lost and the apply went on to wait for a held tree lock until its timeout
+    (CI saw a SIGQUIT sent 3 s after start-up never end the command). Now a stop signal is kept
+    and every lock-wait turn raises it again: 130 at once. The signal is delivered in the memo
+    read itself (by its handler, as the kernel would), which a real server cannot time."""
+    import fcntl
+
+    from m3patch.commands import common
+    from m3patch.patching import parse_cache, writer
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("M3PATCH_LOCK_TIMEOUT", "30")
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert main(["apply", *where]) == 0  # fills the parse memo the next apply reads
+    assert main(["revert", *where]) == 0
+
+    def read_and_get_stopped(*args: object, **kwargs: object) -> object:
+        common._on_sigterm(signal.SIGQUIT, None)
+        raise AssertionError  # unreachable: the handler raises
+
+    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+    monkeypatch.setattr(errors, "_pending_interrupts", [], raising=False)
+    lock = writer.safe_state_dir(vllm_tree, create=True) / "lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another run's hold: a separate open file description
+        start = time.monotonic()
+        assert main(["apply", *where]) == 130
+        assert time.monotonic() - start < 10
+    finally:
+        os.close(fd)

@@ -308,3 +308,132 @@ def test_a_tune_cache_below_another_users_folder_makes_no_folder_there(tmp_path:
     cache.add(Result("s", 1, "c", "quick", 10.0, None, ""))
     assert cache.get("s", 1, "c", "quick") is not None
     assert list(foreign.iterdir()) == []
+
+
+def _acl_giving_write_to(uid: int) -> bytes:
+    """A POSIX access ACL (the kernel's xattr form) that adds write for one named user."""
+    every = 0xFFFFFFFF
+    entries = [(0x01, 7, every), (0x02, 7, uid), (0x04, 5, every), (0x10, 7, every),
+               (0x20, 5, every)]
+    return (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + who.to_bytes(4, "little")
+        for tag, perm, who in entries)
+
+
+def test_a_folder_an_acl_opens_to_another_user_is_not_on_a_trusted_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a folder whose mode read 0775 with this user's own group passed, though its ACL
+    gave write to another uid (the ACL's mask shows as the group bits), who could then rename
+    the cache away and plant a link. Now a named ACL entry with write for another user (or a
+    group this user is not in) refuses the way; the cache is then not used at all, with one
+    warning, and nothing is written below that folder."""
+    from m3patch.errors import UnsafeState
+    from m3patch.fsio import trusted_dir
+    from m3patch.patching import pristine
+
+    shared = tmp_path / "acl-shared"
+    shared.mkdir()
+    try:
+        os.setxattr(shared, "system.posix_acl_access", _acl_giving_write_to(54321))
+    except OSError as exc:
+        pytest.skip(f"this file system keeps no POSIX ACLs ({exc.strerror})")
+    with pytest.raises(UnsafeState, match="gives write to uid 54321 by an ACL"):
+        trusted_dir(shared / "cache", create=True)
+    monkeypatch.setenv("M3PATCH_CACHE", str(shared / "cache"))
+    assert pristine.cache_root() == pristine.REFUSED_CACHE
+    assert pristine.cache_root() == pristine.REFUSED_CACHE
+    assert capsys.readouterr().err.count("the cache is not used") == 1
+    assert pristine.cached_file("0.33.0", "vllm/envs.py") is None
+    with pytest.raises(UnsafeState, match="by an ACL"):
+        pristine.pristine_tree("0.33.0")
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's link needs root")
+def test_a_pristine_tree_behind_another_users_link_is_never_read(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: only memo writes checked the way; pristine trees (which `series lock` and the
+    marker lint trust) and every memo read went through `M3PATCH_CACHE` as named, so a cache
+    reached through another user's link served their planted `envs.py`."""
+    from m3patch.errors import UnsafeState
+    from m3patch.patching import pristine
+
+    planted = tmp_path / "planted"
+    tree = planted / "tree-vllm-0.33.0"
+    shutil.copytree(pristine_033, tree, symlinks=True)
+    (tree / "vllm" / "envs.py").write_text("planted\n")
+    theirs = tmp_path / "their-link"
+    theirs.symlink_to(planted)
+    _stranger_owns(theirs)
+    (tmp_path / "my-link").symlink_to(theirs)
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "my-link"))
+    assert pristine.cached_file("0.33.0", "vllm/envs.py") is None
+    with pytest.raises(UnsafeState, match="owned by uid 54321"):
+        pristine.pristine_tree("0.33.0")
+
+
+def test_a_cache_whose_way_cannot_be_looked_up_costs_time_not_the_command(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a cache path the file system refuses to look up (a name over NAME_MAX here; a
+    folder this user may not search, as `sudo -u` without -H leaves HOME) ended `apply` in 70
+    (`is_file` raised). Now the cache is not used, with one warning, and apply applies; a
+    relative cache from a working folder that was removed is refused by name, not a
+    traceback."""
+    from m3patch.errors import UnsafeState
+    from m3patch.fsio import resolve_way
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / ("c" * 300)))
+    root = copy_tree(pristine_033, tmp_path / "site-packages")
+    assert main(["apply", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert main(["verify", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    err = capsys.readouterr().err
+    assert "the cache is not used" in err
+    assert "internal error" not in err
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(UnsafeState, match="cannot tell where it is"):
+        resolve_way(Path("relative-cache"))
+    assert resolve_way(tmp_path)[0] == tmp_path.resolve()
+
+
+ROOTLESS_CHECK = """
+import sys
+from pathlib import Path
+from m3patch.fsio import trusted_dir
+print(trusted_dir(Path(sys.argv[1]), create=True))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root")
+def test_a_rootless_user_namespace_keeps_its_cache(tmp_path: Path) -> None:
+    """Before: in a user namespace that does not map root (rootless containers, Apptainer,
+    `unshare -U`), / and /tmp show as the overflow uid, so every cache way was refused. Now the
+    overflow uid counts as root there. A real namespace: uid 1000 unshares its own."""
+    import subprocess
+    import tempfile
+
+    if not (shutil.which("unshare") and shutil.which("setpriv")):
+        pytest.skip("util-linux's unshare/setpriv are not installed")
+    code = Path(tempfile.mkdtemp(prefix="m3patch-rootless-"))  # readable by uid 1000
+    try:
+        code.chmod(0o755)
+        shutil.copytree(REPO / "m3patch", code / "m3patch",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        home = code / "home"
+        home.mkdir()
+        os.chown(home, 1000, 1000)
+        cmd = ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "unshare",
+               "-U", "--map-current-user", "/usr/bin/python3", "-c", ROOTLESS_CHECK,
+               str(home / "cache" / "m3patch")]
+        proc = subprocess.run(cmd, env={"PYTHONPATH": str(code), "PATH": os.environ["PATH"]},
+                              capture_output=True, text=True, check=False, timeout=60)
+        if "Operation not permitted" in proc.stderr and "unshare" in proc.stderr:
+            pytest.skip(f"unprivileged user namespaces are off here: {proc.stderr.strip()}")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == str(home / "cache" / "m3patch")
+        assert (home / "cache" / "m3patch").is_dir()
+    finally:
+        shutil.rmtree(code)

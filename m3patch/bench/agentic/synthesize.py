@@ -29,9 +29,9 @@ from typing import Any
 
 from m3patch.bench.agentic.aiperf import AIPERF_VERSION, SETUP_HINT, aiperf_binary
 from m3patch.bench.client import POLL_SECONDS, STOP_LADDER
-from m3patch.errors import AgenticTraceError, TreeIOError
-from m3patch.fsio import owned_dir, parse_json, read_state, trusted_dir, write_bytes_atomic
-from m3patch.patching.pristine import cache_root
+from m3patch.errors import AgenticTraceError, TreeIOError, UnsafeState
+from m3patch.fsio import owned_dir, parse_json, read_state, write_bytes_atomic
+from m3patch.patching.pristine import cache_root, writable_cache_root
 from m3patch.recipe.agentic import AGENTIC_CODE, AgenticScenario, TraceSource
 from m3patch.serving.processes import start_group, stop_group
 
@@ -224,9 +224,10 @@ def synthesized(trace: TraceSource, python: str, *, log: Path | None = None) -> 
 def _cache_folder() -> Path:
     """<cache>/agentic-traces as this user's real folder (a link there is refused, not followed)."""
     try:  # a cache moved with the user's own link is followed; nothing another user controls
-        base = trusted_dir(cache_root(), create=True, error=AgenticTraceError)
-    except TreeIOError as exc:
-        raise AgenticTraceError(exc.message, hint="set M3PATCH_CACHE to a writable folder") from None
+        base = writable_cache_root()
+    except (TreeIOError, UnsafeState) as exc:
+        raise AgenticTraceError(exc.message, hint=exc.hint or "set M3PATCH_CACHE to a writable "
+                                "folder of your own") from None
     return owned_dir(base / CACHE_DIR, create=True, error=AgenticTraceError)
 
 
