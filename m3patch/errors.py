@@ -257,6 +257,12 @@ def raise_if_interrupted() -> None:
         raise _pending_interrupts[-1]
 
 
+def forget_interrupts() -> None:
+    """A new command starts with no stop request of an earlier one in the same process (tests
+    and callers that run `main` more than once)."""
+    _pending_interrupts.clear()
+
+
 INTERNAL_ERROR_EXIT = 70
 
 ALL_ERRORS: tuple[type[M3PatchError], ...] = (

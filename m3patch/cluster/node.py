@@ -52,6 +52,7 @@ from m3patch.errors import (
     ReadyTimeout,
     ResultsInvalid,
     ServerDied,
+    raise_if_interrupted,
 )
 from m3patch.markers import MarkerChecker
 from m3patch.output import info
@@ -398,6 +399,7 @@ class NodeRun:
                 elif time.monotonic() - last_answer > self.recipe.deadlines.request_s:
                     raise self._hung(time.monotonic() - last_answer)
                 next_probe = time.monotonic() + probe_s
+            raise_if_interrupted()  # a stop signal a best-effort step swallowed
             time.sleep(WATCH_S)
 
     def _hung(self, silent_s: float) -> M3PatchError:

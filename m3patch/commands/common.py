@@ -11,7 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from m3patch.commands.flags import add_python_flag
-from m3patch.errors import Interrupted, interrupt
+from m3patch.errors import Interrupted, forget_interrupts, interrupt
 from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.series import Series, find_series_dir, load_series, series_path
 
@@ -64,6 +64,7 @@ def prepare_process() -> None:
     """SIGTERM (and SIGHUP, SIGQUIT) unwinds like Ctrl-C (exit 130, as documented; the tree lock is released and a
     transaction left half-done is finished or undone by the next run), and text the locale
     cannot encode (LANG=C: ASCII) is escaped instead of ending in an internal error."""
+    forget_interrupts()
     if threading.current_thread() is threading.main_thread():  # signal() works only there
         signal.signal(signal.SIGTERM, _on_sigterm)
         # a closed terminal or Ctrl-\ during a lock wait ends the same way (130, the JSON

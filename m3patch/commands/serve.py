@@ -26,7 +26,7 @@ from m3patch.cluster.node_plan import require_node, require_topology
 from m3patch.cluster.slurm import sbatch_script
 from m3patch.commands.flags import add_python_flag
 from m3patch.commands.recipe import show_plan
-from m3patch.errors import Interrupted, UsageError
+from m3patch.errors import Interrupted, UsageError, raise_if_interrupted
 from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info
 from m3patch.patching import report_json
@@ -165,6 +165,7 @@ def _watch(session: ServeSession, hold: float | None) -> None:
         if time.monotonic() >= next_probe:
             session.check_answering()
             next_probe = time.monotonic() + HEALTH_PROBE_EVERY_S
+        raise_if_interrupted()  # a stop signal a best-effort step swallowed still stops serving
         time.sleep(WATCH_S)
 
 

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from m3patch.errors import ReadyTimeout, ServerDied, ServerExited, TreeIOError, UsageError
+from m3patch.errors import (
+    ReadyTimeout,
+    ServerDied,
+    ServerExited,
+    TreeIOError,
+    UsageError,
+    raise_if_interrupted,
+)
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
 from m3patch.serving.processes import StopRung, start_group, stop_group
 
@@ -190,6 +197,7 @@ class Supervisor:
                                              f"start-up, then: {self.spec.fix_hint}")
             if self._probe(deadline):
                 return time.monotonic() - start
+            raise_if_interrupted()  # a stop signal a best-effort step swallowed
             time.sleep(POLL_S)
 
     def _probe(self, deadline: float) -> bool:
