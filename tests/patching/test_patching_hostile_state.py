@@ -360,10 +360,17 @@ def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
     from m3patch.patching import writer
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+
+    def as_a_terminal_leaves_it() -> None:
+        # a shell starts a background job with SIGQUIT (and SIGINT) ignored and nohup ignores
+        # SIGHUP; exec passes that on and m3patch keeps an ignored signal ignored, by design
+        signal.signal(sig, signal.SIG_DFL)
+
     with writer.tree_lock(vllm_tree):
         proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
                                  str(vllm_tree), "--series", str(test_series)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=as_a_terminal_leaves_it)
         time.sleep(3)  # past start-up, into the lock wait
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
