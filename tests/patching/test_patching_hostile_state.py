@@ -438,7 +438,7 @@ def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
     """Before: a stop signal that landed while a best-effort memo read was running raised
     Interrupted inside its `except M3PatchError` (a memo that cannot be read is only time), so
     the signal was lost and the apply went on to wait for a held tree lock until its timeout
-    (CI saw a SIGQUIT sent 3 s after start-up never end the command). Now a stop signal is kept
+    (exit 8 after 30 s here, 5 min by default). Now a stop signal is kept
     and every lock-wait turn raises it again: 130 at once. The signal is delivered in the memo
     read itself (by its handler, as the kernel would), which a real server cannot time."""
     import fcntl
