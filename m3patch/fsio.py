@@ -17,6 +17,7 @@ import json
 import os
 import re
 import stat
+import struct
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -200,10 +201,8 @@ def _group_writers(here: Path, info: os.stat_result) -> str | None:
         acl = os.getxattr(here, "system.posix_acl_access", follow_symlinks=False)
     except OSError:  # no ACL, or a file system without them
         return None
-    for offset in range(4, len(acl) - 7, 8):
-        tag, perm, who = int.from_bytes(acl[offset:offset + 2], "little"), \
-            int.from_bytes(acl[offset + 2:offset + 4], "little"), \
-            int.from_bytes(acl[offset + 4:offset + 8], "little")
+    entries = acl[4:4 + (len(acl) - 4) // 8 * 8]  # after the version word: (tag, perm, id)
+    for tag, perm, who in struct.iter_unpack("<HHI", entries):
         if not perm & _ACL_WRITE:
             continue
         if tag == _ACL_USER and who not in _owners():
