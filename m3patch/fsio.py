@@ -112,20 +112,16 @@ def resolve_way(path: Path, *, error: type[M3PatchError] = UnsafeState) -> tuple
         raise error(msg, hint=f"give {path} as an absolute path") from None
     pending = list(start.parts[1:])
     real, hops = Path("/"), 0
-    _check_way(real, _inspect(real, path, error), path, error)
+    _check_way(real, real.lstat(), path, error)  # / itself is always there
     while pending:
         name = pending.pop(0)
         if name == "..":
             real = real.parent
             continue
         here = real / name
-        try:
-            info = here.lstat()
-        except FileNotFoundError:
+        info = _inspect(here, path, error)
+        if info is None:
             return real, [name, *pending]
-        except OSError as exc:
-            msg = f"{path}: cannot inspect {here}: {exc.strerror or exc}"
-            raise error(msg, hint=f"check the folders on the way to {path}") from None
         if stat.S_ISLNK(info.st_mode):
             hops += 1
             _check_link(here, info, hops, path, error)
@@ -138,9 +134,12 @@ def resolve_way(path: Path, *, error: type[M3PatchError] = UnsafeState) -> tuple
     return real, []
 
 
-def _inspect(here: Path, path: Path, error: type[M3PatchError]) -> os.stat_result:
+def _inspect(here: Path, path: Path, error: type[M3PatchError]) -> os.stat_result | None:
+    """`lstat` of one step of the way; None when it does not exist."""
     try:
         return here.lstat()
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         msg = f"{path}: cannot inspect {here}: {exc.strerror or exc}"
         raise error(msg, hint=f"check the folders on the way to {path}") from None

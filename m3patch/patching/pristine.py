@@ -27,7 +27,8 @@ DONE_MARK = ".m3patch-pristine-ok"
 
 
 REFUSED_CACHE = Path(os.devnull, "m3patch-cache-not-used")  # below a device: nothing is there
-_trusted: dict[str, Path] = {}
+_trusted: dict[str, Path] = {}  # named root -> the real folder, once its whole way passed
+_warned: set[str] = set()  # named roots already warned about in this process
 
 
 def named_cache_root() -> Path:
@@ -62,8 +63,6 @@ def cache_root() -> Path:
     _trusted[str(named)] = real  # every folder on the way is out of other users' reach
     return real
 
-
-_warned: set[str] = set()
 
 
 def writable_cache_root() -> Path:
