@@ -405,7 +405,7 @@ def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint
 STATE_MAX_BYTES = 256 << 20  # no state file m3patch writes comes near this
 
 
-def read_bytes(path: Path) -> bytes:
+def read_bytes(path: Path | str) -> bytes:
     """`Path.read_bytes` with half the system calls (no buffered file object): the same
     errors (FileNotFoundError, IsADirectoryError, OSError); read per file of every command."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -82,10 +82,20 @@ FILE_MODES = ("100644", "100755")  # the only modes git records for a plain file
 _NAME_MAX, _PATH_MAX = 255, 4000  # bytes; Linux NAME_MAX and (with room for the root) PATH_MAX
 
 
+_ACCEPTED: dict[str, str] = {}  # path -> its normal form, for paths that passed every check
+
+
 def check_rel_path(path: str, where: str) -> str:
     """Refuse absolute paths, `..`, anything outside vllm/ or inside m3patch's own state folder,
     and names the file system cannot hold (HostilePatch, exit 9), or that this locale cannot
     encode (FileNameEncoding, exit 35)."""
+    # a pure function of the text, asked of each file by the lock, the parse memo and both
+    # confinement checks of an apply: a path that passed once is answered from memory
+    known = _ACCEPTED.get(path)
+    return _check_rel_path(path, where) if known is None else known
+
+
+def _check_rel_path(path: str, where: str) -> str:
     # plain strings, not PurePosixPath: this runs for every file of every patch on each load;
     # the parts are PurePosixPath's for a relative path (empty and "." parts dropped)
     parts = [part for part in path.split("/") if part and part != "."]
@@ -111,7 +121,8 @@ def check_rel_path(path: str, where: str) -> str:
     if max(sizes) > _NAME_MAX or sum(sizes) + len(sizes) > _PATH_MAX:
         msg = f"{where}: path {path[:60]!r}... is longer than the file system allows"
         raise HostilePatch(msg, hint=hint)
-    return "/".join(parts)
+    _ACCEPTED[path] = normal = "/".join(parts)
+    return normal
 
 
 def _require_nameable(path: str, where: str) -> None:
@@ -382,17 +393,17 @@ def parse_patch(data: bytes, name: str, *, full: bool = False) -> PatchFile:
 
 def safe_target(root: Path, rel: str) -> Path:
     """The absolute target of a patch path, refusing symlinks on the way (HostilePatch)."""
-    return _safe(root, rel, set())
+    return Path(_safe(root, rel, set()))
 
 
-def safe_targets(root: Path, rels: Iterable[str]) -> dict[str, Path]:
-    """`safe_target` of each path, each folder on the way inspected once for the whole batch
-    (a release-sized series has a thousand files in a few hundred folders)."""
+def safe_targets(root: Path, rels: Iterable[str]) -> dict[str, str]:
+    """`safe_target` of each path as a plain string, each folder on the way inspected once for
+    the whole batch (a release-sized series has a thousand files in a few hundred folders)."""
     plain: set[str] = set()
     return {rel: _safe(root, rel, plain) for rel in rels}
 
 
-def _safe(root: Path, rel: str, plain: set[str]) -> Path:
+def _safe(root: Path, rel: str, plain: set[str]) -> str:
     parts = check_rel_path(rel, str(root)).split("/")
     current = str(root)
     for depth, part in enumerate(parts, start=1):
@@ -417,4 +428,4 @@ def _safe(root: Path, rel: str, plain: set[str]) -> Path:
         if not resolved.is_relative_to(Path(os.path.realpath(root))):
             msg = f"{Path(current)}: symlink points outside the tree (-> {resolved})"
             raise HostilePatch(msg, hint="m3patch never writes through a symlink")
-    return Path(current)
+    return current

@@ -76,6 +76,19 @@ def test_every_writer_name_is_refused_as_a_patch_path(name: str) -> None:
         check_rel_path(name, "p.patch")
 
 
+def test_the_path_check_remembers_only_what_it_accepted() -> None:
+    """Accepted paths are answered from memory (each is asked four times per apply); a refused
+    one is refused every time it is asked, and a path's normal form never stands in for it."""
+    from m3patch.patching.diffs import check_rel_path
+
+    for _ in range(2):
+        assert check_rel_path("vllm/./a//b.py", "p.patch") == "vllm/a/b.py"
+        with pytest.raises(errors.HostilePatch, match="climbs out"):
+            check_rel_path("vllm/a/../../etc/passwd", "p.patch")
+        with pytest.raises(errors.HostilePatch, match="not under vllm/"):
+            check_rel_path("vllm", "p.patch")
+
+
 # ------------------------------------------------------------- a forged offset ledger
 
 
