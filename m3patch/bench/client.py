@@ -20,6 +20,7 @@ from pathlib import Path
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
 from m3patch.recipe.lengths import client_lengths
+from m3patch.serving import child_tmp
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 from m3patch.serving.processes import StopRung, start_group, stop_group
 
@@ -142,12 +143,18 @@ def run_client(
     env = env if env is not None else {**os.environ, **dict(LOOPBACK_ENV)}
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        env, tmp = child_tmp.client_env(env)
+        try:
+            proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        except BaseException:
+            child_tmp.remove(tmp)
+            raise
         try:
             returncode = _wait(proc, f"cell {cell_id}: {client}", started + deadline_s,
                                deadline_s, check_server)
         finally:
             stop_group(proc, STOP_LADDER)
+            child_tmp.remove(tmp)  # what the client left in its temporary folder goes with it
     return ClientRun(returncode, time.monotonic() - started, log_path)
 
 

@@ -8,6 +8,8 @@
 - `stop()` first writes the stop mark (markers.STOP_MARK) into the log, under the same lock as
   the reader, so what the shutdown prints (vLLM logs EngineDeadError when its in-flight requests
   are aborted) is never judged: not live, not in serve.json, not by `markers check` later.
+- The server's IPC sockets go to a folder of m3patch's (serving.child_tmp), removed after the
+  stop, so the sockets vLLM leaves in the temporary folder do not pile up on the host.
 - Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
   `/health` and then dies on the first request, so health alone proves nothing.
 """
@@ -40,6 +42,7 @@ from m3patch.errors import (
     raise_if_interrupted,
 )
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
+from m3patch.serving import child_tmp
 from m3patch.serving.processes import StopRung, start_group, stop_group
 
 POLL_S = 0.5
@@ -77,6 +80,7 @@ class Supervisor:
         self._reader: threading.Thread | None = None
         self._log: BinaryIO | None = None  # open while the reader copies output into it
         self._stopping = False  # after we ask it to stop, shutdown noise is not a violation
+        self._tmp: str | None = None  # the folder of the server's IPC sockets (child_tmp)
         checker.on_line = self._on_line
         checker.marks_in_stream = False  # only the mark stop() writes ends the judging
 
@@ -93,12 +97,14 @@ class Supervisor:
         except OSError as exc:
             msg = f"{self.spec.log_path}: cannot write the server log: {exc.strerror}"
             raise TreeIOError(msg, hint="choose a writable results folder (--run-dir)") from None
+        env, self._tmp = child_tmp.server_env(self.spec.env)
         try:
             self.proc = start_group(
                 self.spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=dict(self.spec.env))
+                stderr=subprocess.STDOUT, env=env)
         except OSError as exc:
             log.close()
+            child_tmp.remove(self._tmp)
             msg = f"cannot start {self.spec.argv[0]}: {exc.strerror}"
             raise ServerExited(msg, hint=self.spec.fix_hint) from None
         self._log = log
@@ -241,6 +247,8 @@ class Supervisor:
             self._mark_stop()
         status = stop_group(self.proc, STOP_LADDER)
         self._join_reader()
+        child_tmp.remove(self._tmp)  # the group is gone: nothing of the server writes there
+        self._tmp = None
         return status
 
     def _join_reader(self) -> None:

@@ -16,7 +16,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,9 +40,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _m3patch(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def _m3patch(*args: str, timeout: float = RUN_TIMEOUT_S, tmp: Path | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    env = None if tmp is None else {**os.environ, "TMPDIR": str(tmp)}
     return subprocess.run([sys.executable, "-m", "m3patch", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout, check=False)
+                          text=True, cwd=REPO, timeout=timeout, check=False, env=env)
 
 
 def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None = None) -> Path:
@@ -58,15 +62,31 @@ def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None
 
 
 @pytest.fixture(scope="module")
-def runs(cpu_venv: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Runs A and B of the shipped CPU recipe."""
+def runs(cpu_venv: Path, tiny_model: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Runs A and B of the shipped CPU recipe, each with the temporary folder `root/tmp` links
+    to (short, for vLLM's socket paths)."""
     root = tmp_path_factory.mktemp("bench-e2e")
+    tmp = Path(tempfile.mkdtemp(prefix="m3bench-"))
+    (root / "tmp").symlink_to(tmp)
     recipe = _recipe(root / "cpu_tiny_moe.yaml", cpu_venv, tiny_model)
-    first = _m3patch("bench", str(recipe), "--run-dir", str(root / "a"))
+    first = _m3patch("bench", str(recipe), "--run-dir", str(root / "a"), tmp=tmp)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _m3patch("serve", str(recipe), "--bench", "--quiet", "--run-dir", str(root / "b"))
+    second = _m3patch("serve", str(recipe), "--bench", "--quiet", "--run-dir", str(root / "b"),
+                      tmp=tmp)
     assert second.returncode == 0, second.stderr[-3000:]
-    return root
+    yield root
+    shutil.rmtree(tmp)
+
+
+def test_server_and_client_leave_nothing_in_the_temporary_folder(runs: Path) -> None:
+    """vLLM's sockets and what the client left went to folders m3patch made and removed; Torch
+    Inductor's compile cache stays where torch puts it, and torch.distributed's store file where
+    vLLM names it (the server keeps its temporary folder: other processes meet it there)."""
+    tmp = (runs / "tmp").resolve()
+    left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay, see child_tmp
+                  if not p.name.startswith(("torchinductor_", "vllm_dist_")))
+    assert left == []
 
 
 def test_each_run_has_cells_aggregate_csv_plots_and_log(runs: Path) -> None:

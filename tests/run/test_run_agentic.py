@@ -10,9 +10,11 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,17 @@ def test_ci_replays_sessions_with_aiperf_and_scores_them_as_inferencex(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
     recipe = recipe_at(tmp_path / "r.yaml", cpu_venv, tiny_model)
     run = tmp_path / "run"
-    done = m3patch("ci", str(recipe), "--run-dir", str(run), timeout=1200)
+    tmp = Path(tempfile.mkdtemp(prefix="m3agentic-"))  # short, for vLLM's socket paths
+    try:
+        done = m3patch("ci", str(recipe), "--run-dir", str(run), timeout=1200,
+                       env={"TMPDIR": str(tmp)})
+        # the servers' sockets and what AIPerf left went with the folders m3patch made
+        left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay, see child_tmp
+                      if not p.name.startswith(("torchinductor_", "vllm_dist_")))
+    finally:
+        shutil.rmtree(tmp)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert left == []
     assert "AIPerf 0.13.0" in done.stderr and "E2E-norm intvty p90" in done.stdout + done.stderr
     found = cells(run)
     assert sorted(found) == ["agentic-kvnone-tp1-pp1-ep1-dp1-c1", "agentic-kvnone-tp1-pp1-ep1-dp1-c2"]
