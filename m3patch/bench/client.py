@@ -17,12 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from m3patch.bench import client_tmp
 from m3patch.bench.cells import Cell
 from m3patch.errors import BenchFailed, ServerDied
 from m3patch.recipe.lengths import client_lengths
-from m3patch.serving import child_tmp
 from m3patch.serving.launch_plan import LOOPBACK_ENV
-from m3patch.serving.processes import StopRung, start_group, stop_group
+from m3patch.serving.processes import (
+    StopRung,
+    group_members,
+    signals_held,
+    start_group,
+    stop_group,
+)
 
 POLL_SECONDS = 0.5
 TERM_GRACE_SECONDS = 5.0
@@ -143,18 +149,20 @@ def run_client(
     env = env if env is not None else {**os.environ, **dict(LOOPBACK_ENV)}
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        env, tmp = child_tmp.client_env(env)
+        env, tmp = client_tmp.client_env(env)
         try:
             proc = start_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         except BaseException:
-            child_tmp.remove(tmp)
+            client_tmp.remove(tmp)
             raise
         try:
             returncode = _wait(proc, f"cell {cell_id}: {client}", started + deadline_s,
                                deadline_s, check_server)
         finally:
             stop_group(proc, STOP_LADDER)
-            child_tmp.remove(tmp)  # what the client left in its temporary folder goes with it
+            with signals_held():  # a second Ctrl-C must not leave the folder half removed
+                if not group_members(proc.pid):  # else a member could still be writing there
+                    client_tmp.remove(tmp)  # what the client left goes with its folder
     return ClientRun(returncode, time.monotonic() - started, log_path)
 
 

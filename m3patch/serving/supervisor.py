@@ -8,8 +8,9 @@
 - `stop()` first writes the stop mark (markers.STOP_MARK) into the log, under the same lock as
   the reader, so what the shutdown prints (vLLM logs EngineDeadError when its in-flight requests
   are aborted) is never judged: not live, not in serve.json, not by `markers check` later.
-- The server's IPC sockets go to a folder of m3patch's (serving.child_tmp), removed after the
-  stop, so the sockets vLLM leaves in the temporary folder do not pile up on the host.
+- The socket files the server's processes bound (serving.ipc_sockets, looked up on each poll
+  until ready and before the stop) are removed after the group is gone: vLLM leaves its IPC
+  sockets in the temporary folder, a batch per launch.
 - Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
   `/health` and then dies on the first request, so health alone proves nothing.
 """
@@ -42,8 +43,8 @@ from m3patch.errors import (
     raise_if_interrupted,
 )
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
-from m3patch.serving import child_tmp
-from m3patch.serving.processes import StopRung, start_group, stop_group
+from m3patch.serving import ipc_sockets
+from m3patch.serving.processes import StopRung, group_members, signals_held, start_group, stop_group
 
 POLL_S = 0.5
 TAIL_LINES = 15
@@ -80,7 +81,7 @@ class Supervisor:
         self._reader: threading.Thread | None = None
         self._log: BinaryIO | None = None  # open while the reader copies output into it
         self._stopping = False  # after we ask it to stop, shutdown noise is not a violation
-        self._tmp: str | None = None  # the folder of the server's IPC sockets (child_tmp)
+        self._sockets: ipc_sockets.SocketFiles = {}  # what the server bound, to remove after it
         checker.on_line = self._on_line
         checker.marks_in_stream = False  # only the mark stop() writes ends the judging
 
@@ -97,14 +98,12 @@ class Supervisor:
         except OSError as exc:
             msg = f"{self.spec.log_path}: cannot write the server log: {exc.strerror}"
             raise TreeIOError(msg, hint="choose a writable results folder (--run-dir)") from None
-        env, self._tmp = child_tmp.server_env(self.spec.env)
         try:
             self.proc = start_group(
                 self.spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env)
+                stderr=subprocess.STDOUT, env=dict(self.spec.env))
         except OSError as exc:
             log.close()
-            child_tmp.remove(self._tmp)
             msg = f"cannot start {self.spec.argv[0]}: {exc.strerror}"
             raise ServerExited(msg, hint=self.spec.fix_hint) from None
         self._log = log
@@ -201,6 +200,7 @@ class Supervisor:
                        f"(log {self.spec.log_path}); last lines:\n{self._tail_text()}")
                 raise ReadyTimeout(msg, hint="raise deadlines.ready-s in the recipe, or fix the "
                                              f"start-up, then: {self.spec.fix_hint}")
+            self._note_sockets()  # the start-up handshake's socket is bound only until ready
             if self._probe(deadline):
                 return time.monotonic() - start
             raise_if_interrupted()  # a stop signal a best-effort step swallowed
@@ -245,11 +245,18 @@ class Supervisor:
         self._stopping = True
         if self.proc.poll() is None:
             self._mark_stop()
+        self._note_sockets()
         status = stop_group(self.proc, STOP_LADDER)
+        with signals_held():  # a second Ctrl-C must not leave the sockets half removed
+            if not group_members(self.pgid):  # else a member could still be using them
+                ipc_sockets.remove_unbound(self._sockets)
+            self._sockets = {}
         self._join_reader()
-        child_tmp.remove(self._tmp)  # the group is gone: nothing of the server writes there
-        self._tmp = None
         return status
+
+    def _note_sockets(self) -> None:
+        if self.proc is not None:
+            self._sockets.update(ipc_sockets.bound_by(group_members(self.pgid)))
 
     def _join_reader(self) -> None:
         if self._reader is not None:

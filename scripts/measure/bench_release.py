@@ -3,11 +3,16 @@ the published wheels (every text file; binaries left out, as m3patch applies tex
 cut into one patch per folder (at most 12 files each) and locked on the pristine 0.32.0 tree.
 
 Imported by scripts/measure/bench_core.py (`--release`); each run copies the pristine tree (hard
-links, flushed) and times, in turn: `git apply` of every patch, then `m3patch apply` and
-`m3patch verify` of the series, cold (an empty m3patch cache: nothing parsed or compiled before)
-and warm (the same cache again), then `apply --verify` (which fills the compile memo) and a
-bare `verify` after it, for the code under test and, with `--before DIR`, for another checkout
-(e.g. main) in the same run, so the machine's load falls on both alike. Wall and CPU (user + sys of the child) seconds.
+links, flushed) before each command and times, for the code under test and, with `--before DIR`,
+for another checkout (e.g. main) in the same run: `m3patch apply` and `m3patch verify` of the
+series cold (an empty m3patch cache: nothing parsed or compiled before), then `git apply` of
+every patch and at once the warm `m3patch apply` (the same cache again) as a pair, then the warm
+`verify`, `apply --verify` (which fills the compile memo) and a bare `verify` after it. Wall and
+CPU (user + sys of the child) seconds.
+
+This VM's cost of creating a file (which both tools pay for every patched file) moves tenfold
+within seconds, so a ratio of two medians taken minutes apart says little: each warm apply is
+timed right after its own `git apply`, and the headline is the median of those pairs' ratios.
 """
 
 from __future__ import annotations
@@ -99,10 +104,11 @@ def timed(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, flo
 
 
 def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[
-        dict[str, int], list[dict[str, object]], list[dict[str, float]]]:
-    """Time git apply and, per code checkout in `codes` (label -> folder), m3patch apply and
-    verify, cold and warm, `runs` times each; rows of medians, and per run the file-creation
-    cost beside `git apply` and the first checkout's warm apply."""
+        dict[str, int], list[dict[str, object]], list[dict[str, object]]]:
+    """Time, per code checkout in `codes` (label -> folder), m3patch apply and verify, cold and
+    warm, and `git apply` paired with each warm apply, `runs` times each; rows of medians (the
+    warm applies' also with the median of their pairs' ratios), and each pair with the
+    file-creation cost measured just before it."""
     sys.path.insert(0, str(next(iter(codes.values()))))
     from m3patch.patching.pristine import copy_tree, pristine_tree
 
@@ -115,67 +121,84 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(code / "m3patch")],
                        env={**base_env, "PYTHONDONTWRITEBYTECODE": ""}, check=True,
                        capture_output=True)
-    first_label, first = next(iter(codes.items()))
+    first = next(iter(codes.values()))
     subprocess.run([sys.executable, "-m", "m3patch", "series", "lock", "--series", str(series),
                     "--tree", str(old)], cwd=first, env=base_env, check=True,
                    capture_output=True)
     samples: dict[str, list[tuple[float, float]]] = {}
     patches = sorted(str(p) for p in series.glob("*.patch"))
-    for run in range(runs):
-        # this VM's cost of creating a file varies tenfold with its page cache, and both tools
-        # create every patched file: each run records it, so each ratio carries its regime
-        samples.setdefault("create ms", []).append((create_cost(work), 0.0))
-        tree = on_disk(copy_tree(old, work / f"git-{run}"))
-        samples.setdefault("git apply", []).append(
-            timed(["git", "apply", *patches], cwd=tree, env=base_env))
+    per_run: list[dict[str, object]] = []
+
+    def on_copy(copy: str, steps: list[tuple[str, list[str], Path | None, dict[str, str]]]
+                ) -> list[float]:
+        """Each (name, command, cwd, env) in turn on one fresh flushed copy (TREE in the command;
+        run in the copy when cwd is None); their wall seconds."""
+        tree = on_disk(copy_tree(old, work / copy))
+        walls = []
+        for name, cmd, cwd, env in steps:
+            result = timed([part.replace("TREE", str(tree)) for part in cmd], cwd=cwd or tree,
+                           env=env)
+            samples.setdefault(name, []).append(result)
+            walls.append(result[0])
         shutil.rmtree(tree)
+        return walls
+
+    m3 = [sys.executable, "-m", "m3patch"]
+    where = ["--vllm-root", "TREE", "--series", str(series)]
+    for run in range(runs):
         for label, code in codes.items():
-            cache = work / f"cache-{label}-{run}"  # empty: the cold runs
-            for temp in ("cold", "warm"):
-                env = {**base_env, "M3PATCH_CACHE": str(cache)}
-                tree = on_disk(copy_tree(old, work / f"m3-{label}-{run}-{temp}"))
-                m3 = [sys.executable, "-m", "m3patch"]
-                where = ["--vllm-root", str(tree), "--series", str(series)]
-                samples.setdefault(f"{label}: m3patch apply ({temp})", []).append(
-                    timed([*m3, "apply", *where], cwd=code, env=env))
-                samples.setdefault(f"{label}: m3patch verify ({temp})", []).append(
-                    timed([*m3, "verify", *where], cwd=code, env=env))
-                shutil.rmtree(tree)
+            env = {**base_env, "M3PATCH_CACHE": str(work / f"cache-{label}-{run}")}  # empty
+            on_copy(f"m3-{label}-{run}-cold", [
+                (f"{label}: m3patch apply (cold)", [*m3, "apply", *where], code, env),
+                (f"{label}: m3patch verify (cold)", [*m3, "verify", *where], code, env)])
+            # the pair: the file system's regime is the same for both within seconds
+            create = create_cost(work)
+            (git,) = on_copy(f"git-{label}-{run}",
+                             [("git apply", ["git", "apply", *patches], None, base_env)])
+            warm, _ = on_copy(f"m3-{label}-{run}-warm", [
+                (f"{label}: m3patch apply (warm)", [*m3, "apply", *where], code, env),
+                (f"{label}: m3patch verify (warm)", [*m3, "verify", *where], code, env)])
+            per_run.append({"code": label, "create_ms": create, "git_apply_s": git,
+                            "warm_apply_s": warm, "warm_vs_git": warm / git})
             # the serve/bench/ci path: apply and verify in one process, which fills the compile
             # memo (a bare verify only reads it); then a bare verify of the same contents
-            tree = on_disk(copy_tree(old, work / f"m3-{label}-{run}-verify"))
-            where = ["--vllm-root", str(tree), "--series", str(series)]
-            samples.setdefault(f"{label}: m3patch apply --verify (warm parse)", []).append(
-                timed([*m3, "apply", "--verify", *where], cwd=code, env=env))
-            samples.setdefault(f"{label}: m3patch verify (after apply --verify)", []).append(
-                timed([*m3, "verify", *where], cwd=code, env=env))
-            shutil.rmtree(tree)
-    creates = [ms for ms, _ in samples.pop("create ms")]
-    per_run = [{"create_ms": ms, "git_apply_s": git[0], "warm_apply_s": warm[0],
-                "warm_vs_git": warm[0] / git[0]}
-               for ms, git, warm in zip(creates, samples["git apply"],
-                                        samples[f"{first_label}: m3patch apply (warm)"], strict=True)]
+            on_copy(f"m3-{label}-{run}-verify", [
+                (f"{label}: m3patch apply --verify (warm parse)",
+                 [*m3, "apply", "--verify", *where], code, env),
+                (f"{label}: m3patch verify (after apply --verify)", [*m3, "verify", *where],
+                 code, env)])
     git_wall = statistics.median(w for w, _ in samples["git apply"])
     git_cpu = statistics.median(c for _, c in samples["git apply"])
     rows: list[dict[str, object]] = []
     for name, values in samples.items():
         wall = statistics.median(w for w, _ in values)
         cpu = statistics.median(c for _, c in values)
-        rows.append({"command": name, "runs": len(values), "median_wall_s": wall,
-                     "median_cpu_s": cpu, "min_wall_s": min(w for w, _ in values),
-                     "wall_vs_git_apply": wall / git_wall, "cpu_vs_git_apply": cpu / git_cpu})
+        row: dict[str, object] = {
+            "command": name, "runs": len(values), "median_wall_s": wall, "median_cpu_s": cpu,
+            "min_wall_s": min(w for w, _ in values), "wall_vs_git_apply": wall / git_wall,
+            "cpu_vs_git_apply": cpu / git_cpu}
+        pairs = [float(str(p["warm_vs_git"])) for p in per_run
+                 if name == f"{p['code']}: m3patch apply (warm)"]
+        if pairs:
+            row["median_pair_ratio"] = statistics.median(pairs)
+        rows.append(row)
     return counts, rows, per_run
 
 
 def print_rows(counts: dict[str, int], rows: list[dict[str, object]],
-               per_run: list[dict[str, float]]) -> None:
+               per_run: list[dict[str, object]]) -> None:
     print(f"whole-release series: {counts}")
     print(f"{'command':44} {'runs':>4} {'wall s':>7} {'cpu s':>7} {'x git (wall)':>12} "
           f"{'x git (cpu)':>11}")
     for r in rows:
         print(f"{r['command']!s:44} {r['runs']!s:>4} {r['median_wall_s']:7.2f} "
               f"{r['median_cpu_s']:7.2f} {r['wall_vs_git_apply']:12.2f} {r['cpu_vs_git_apply']:11.2f}")
-    print(f"{'run':>4} {'create ms/file':>14} {'git apply s':>11} {'warm apply s':>12} {'x git':>6}")
-    for number, one in enumerate(per_run, 1):
-        print(f"{number:>4} {one['create_ms']:14.3f} {one['git_apply_s']:11.2f} "
+    print("each warm apply right after its own `git apply` (the file system's regime shared):")
+    print(f"{'code':>7} {'create ms/file':>14} {'git apply s':>11} {'warm apply s':>12} {'x git':>6}")
+    for one in per_run:
+        print(f"{one['code']!s:>7} {one['create_ms']:14.3f} {one['git_apply_s']:11.2f} "
               f"{one['warm_apply_s']:12.2f} {one['warm_vs_git']:6.2f}")
+    for r in rows:
+        if "median_pair_ratio" in r:
+            print(f"{r['command']}: median of its pairs' ratios {r['median_pair_ratio']:.2f}x "
+                  "git apply")

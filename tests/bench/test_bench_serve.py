@@ -65,7 +65,7 @@ def _recipe(path: Path, venv: Path, model: Path, sweep: dict[str, object] | None
 def runs(cpu_venv: Path, tiny_model: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Runs A and B of the shipped CPU recipe, each with the temporary folder `root/tmp` links
-    to (short, for vLLM's socket paths)."""
+    to (its own, to see what is left there)."""
     root = tmp_path_factory.mktemp("bench-e2e")
     tmp = Path(tempfile.mkdtemp(prefix="m3bench-"))
     (root / "tmp").symlink_to(tmp)
@@ -80,11 +80,11 @@ def runs(cpu_venv: Path, tiny_model: Path,
 
 
 def test_server_and_client_leave_nothing_in_the_temporary_folder(runs: Path) -> None:
-    """vLLM's sockets and what the client left went to folders m3patch made and removed; Torch
-    Inductor's compile cache stays where torch puts it, and torch.distributed's store file where
-    vLLM names it (the server keeps its temporary folder: other processes meet it there)."""
+    """The server's sockets were removed after it, the client's temporary folder with all it
+    left; Torch Inductor's compile cache stays where torch puts it, and torch.distributed's
+    store file where vLLM left it (nothing but its name proves it the server's)."""
     tmp = (runs / "tmp").resolve()
-    left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay, see child_tmp
+    left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay (ipc_sockets)
                   if not p.name.startswith(("torchinductor_", "vllm_dist_")))
     assert left == []
 

@@ -60,12 +60,12 @@ def test_ci_replays_sessions_with_aiperf_and_scores_them_as_inferencex(
         cpu_venv: Path, tiny_model: Path, tmp_path: Path) -> None:
     recipe = recipe_at(tmp_path / "r.yaml", cpu_venv, tiny_model)
     run = tmp_path / "run"
-    tmp = Path(tempfile.mkdtemp(prefix="m3agentic-"))  # short, for vLLM's socket paths
+    tmp = Path(tempfile.mkdtemp(prefix="m3agentic-"))  # its own, to see what is left there
     try:
         done = m3patch("ci", str(recipe), "--run-dir", str(run), timeout=1200,
                        env={"TMPDIR": str(tmp)})
-        # the servers' sockets and what AIPerf left went with the folders m3patch made
-        left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay, see child_tmp
+        # the servers' sockets were removed after them, what AIPerf left with its folder
+        left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay (ipc_sockets)
                       if not p.name.startswith(("torchinductor_", "vllm_dist_")))
     finally:
         shutil.rmtree(tmp)

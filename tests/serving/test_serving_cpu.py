@@ -105,8 +105,8 @@ class LiveServer:
 
 def run_scoped(tmp: Path) -> list[str]:
     """What is in the temporary folder, but Torch Inductor's cache (meant to outlive runs) and
-    torch.distributed's store file (vLLM names it from the temporary folder, which m3patch leaves
-    to the server: other processes meet it there)."""
+    torch.distributed's store file (vLLM leaves it; not a socket, nothing proves it the
+    server's but its name, so m3patch leaves it too)."""
     return sorted(p.name for p in tmp.iterdir()
                   if not p.name.startswith(("torchinductor_", "vllm_dist_")))
 
@@ -118,8 +118,7 @@ def live(cpu_venv: Path, tiny_model: Path,
     work = tmp_path_factory.mktemp("live")
     recipe = write_variant(work / "recipe.yaml", cpu_venv, tiny_model, warn_tcmalloc)
     run_dir, err = work / "run", work / "stderr.txt"
-    # its own temporary folder, short enough for vLLM's socket paths under m3patch's folder
-    tmp = Path(tempfile.mkdtemp(prefix="m3live-"))
+    tmp = Path(tempfile.mkdtemp(prefix="m3live-"))  # its own, to see what the server leaves
     with err.open("w") as err_fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "m3patch", "serve", str(recipe), "--run-dir", str(run_dir),
@@ -152,14 +151,11 @@ def test_good_run_logs_real_markers_and_provenance(live: LiveServer, cpu_venv: P
     assert "warning 'no-tcmalloc' (" in stderr and f"fix: {TCMALLOC_FIX}" in stderr
 
 
-def test_the_server_keeps_its_sockets_in_a_folder_of_m3patch(live: LiveServer) -> None:
-    """vLLM's ZMQ sockets go to the temporary folder, and vLLM leaves them there after a stop:
-    the server's are all inside the one folder m3patch made."""
-    names = run_scoped(live.tmp)
-    assert len(names) == 1 and names[0].startswith("m3patch-vllm-"), names
-    folder = live.tmp / names[0]
-    sockets = [p for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
-    assert sockets, sorted(p.name for p in folder.iterdir())
+def test_the_server_binds_its_sockets_in_the_temporary_folder(live: LiveServer) -> None:
+    """vLLM's ZMQ IPC channels are socket files in the temporary folder, and vLLM leaves them
+    there after a stop; the interrupt test below shows m3patch removing them."""
+    sockets = [p for p in live.tmp.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert len(sockets) >= 2, run_scoped(live.tmp)
 
 
 def test_markers_check_on_saved_log(live: LiveServer, m3patch_cli: Callable[..., subprocess.
@@ -206,7 +202,7 @@ def test_sigint_mid_run_exits_130_and_leaves_nothing(
     assert live.proc.wait(timeout=90) == 130
     assert group_members(live.pgid) == []
     assert_no_server_left(live.run_dir)
-    assert run_scoped(live.tmp) == []  # the server's sockets went with its folder
+    assert run_scoped(live.tmp) == []  # the server's sockets were removed after it
     summary = json.loads((live.run_dir / "serve.json").read_text())
     (found,) = summary["warnings"]
     assert found["id"] == "no-tcmalloc" and found["fix"] == TCMALLOC_FIX and found["count"] >= 1
