@@ -6,8 +6,9 @@ Usage: python scripts/measure/bench_core.py [--runs N] [--out docs/results/bench
               [--out docs/results/bench_release.json]
 
 `--release` times the whole-release apply instead (bench_release.py: the vLLM 0.32.0 -> 0.33.0
-difference as a series, m3patch apply and verify, cold and warm, against `git apply`; with
-`--before DIR` a second checkout of m3patch, e.g. main, in the same run).
+difference as a series, m3patch apply and verify, cold and warm, each warm apply paired with its
+own `git apply` run just before it; with `--before DIR` a second checkout of m3patch, e.g. main,
+in the same run).
 
 Uses the full real series (patches/vllm-0.33.0, locked into a temp copy from the pristine
 wheel); falls back to tests/data/test-series when that series does not lock, and says so.
