@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import io
 import os
+import stat
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,14 @@ def recipe_variant(tmp_path: Path, python: str, vllm_args: dict[str, object] | N
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def server_leftover(path: Path) -> bool:
+    """What a stopped vLLM server leaves in its temporary folder, and m3patch leaves with it:
+    its IPC sockets, torch.distributed's store file, Torch Inductor's cache (docs/reliability.md
+    says why). Anything else there after a run was left by m3patch or its load client."""
+    return stat.S_ISSOCK(path.lstat().st_mode) or path.name.startswith(
+        ("vllm_dist_", "torchinductor_"))
 
 
 def replace_file(path: Path, data: bytes) -> None:

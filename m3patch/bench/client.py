@@ -161,8 +161,7 @@ def run_client(
         finally:
             stop_group(proc, STOP_LADDER)
             with signals_held():  # a second Ctrl-C must not leave the folder half removed
-                if not group_members(proc.pid):  # else a member could still be writing there
-                    client_tmp.remove(tmp)  # what the client left goes with its folder
+                client_tmp.remove_after(tmp, group_members(proc.pid))
     return ClientRun(returncode, time.monotonic() - started, log_path)
 
 

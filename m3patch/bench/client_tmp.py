@@ -12,7 +12,9 @@ temporary folder and must outlive the run, is pinned where it would have been
 (TORCHINDUCTOR_CACHE_DIR, unless the environment names one).
 
 The server is not given one: other processes meet it in its temporary folder (a Ray cluster on
-the node, vLLM's weight-cache daemon); its leftover sockets are removed by serving.ipc_sockets.
+the node, vLLM's weight-cache daemon), Ray copies every VLLM_* variable to workers on other
+hosts, and connectors name sockets of up to ~90 bytes there, so neither TMPDIR nor
+VLLM_RPC_BASE_PATH can move; what it leaves there stays (docs/reliability.md says why).
 Where the folder would make a UUID-named socket path longer than a Unix socket address holds,
 none is made and the client keeps what it had. The folder of an m3patch killed with SIGKILL
 stays (nothing runs to remove it); its name says whose it is.
@@ -92,6 +94,16 @@ def client_env(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
         if name in out:
             out[name] = folder
     return out, folder
+
+
+def remove_after(folder: str | None, survivors: list[int]) -> None:
+    """Remove the folder once the client's group is gone; with members still alive (they
+    outlived every signal) a member could still be writing there: left, with a warning."""
+    if folder is not None and survivors:
+        warn(f"{folder}: the load client's temporary folder was left: processes "
+             f"{', '.join(map(str, survivors[:5]))} of its group outlived the stop")
+        return
+    remove(folder)
 
 
 def remove(folder: str | None) -> None:

@@ -59,13 +59,15 @@ def live_processes() -> Iterator[ProcEntry]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            # bytes: any process may name itself with bytes that are no UTF-8 (prctl)
+            stat = (entry / "stat").read_bytes()
         except OSError:  # exited between listing and reading
             continue
         # The command name may contain spaces and ")"; fields after the last ")" are fixed.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[0] != "Z":
-            yield ProcEntry(int(entry.name), fields[0], int(fields[1]), int(fields[2]))
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and fields[0] != b"Z":
+            yield ProcEntry(int(entry.name), fields[0].decode("ascii", "replace"), int(fields[1]),
+                            int(fields[2]))
 
 
 def group_members(pgid: int) -> list[int]:

@@ -8,9 +8,6 @@
 - `stop()` first writes the stop mark (markers.STOP_MARK) into the log, under the same lock as
   the reader, so what the shutdown prints (vLLM logs EngineDeadError when its in-flight requests
   are aborted) is never judged: not live, not in serve.json, not by `markers check` later.
-- The socket files the server's processes bound (serving.ipc_sockets, looked up on each poll
-  until ready and before the stop) are removed after the group is gone: vLLM leaves its IPC
-  sockets in the temporary folder, a batch per launch.
 - Ready means `/health` answers 200 AND one real completion succeeds: on CPU, bf16 + eager passes
   `/health` and then dies on the first request, so health alone proves nothing.
 """
@@ -43,8 +40,7 @@ from m3patch.errors import (
     raise_if_interrupted,
 )
 from m3patch.markers import MarkerChecker, MarkerHit, forbidden_error
-from m3patch.serving import ipc_sockets
-from m3patch.serving.processes import StopRung, group_members, signals_held, start_group, stop_group
+from m3patch.serving.processes import StopRung, start_group, stop_group
 
 POLL_S = 0.5
 TAIL_LINES = 15
@@ -81,7 +77,6 @@ class Supervisor:
         self._reader: threading.Thread | None = None
         self._log: BinaryIO | None = None  # open while the reader copies output into it
         self._stopping = False  # after we ask it to stop, shutdown noise is not a violation
-        self._sockets: ipc_sockets.SocketFiles = {}  # what the server bound, to remove after it
         checker.on_line = self._on_line
         checker.marks_in_stream = False  # only the mark stop() writes ends the judging
 
@@ -200,7 +195,6 @@ class Supervisor:
                        f"(log {self.spec.log_path}); last lines:\n{self._tail_text()}")
                 raise ReadyTimeout(msg, hint="raise deadlines.ready-s in the recipe, or fix the "
                                              f"start-up, then: {self.spec.fix_hint}")
-            self._note_sockets()  # the start-up handshake's socket is bound only until ready
             if self._probe(deadline):
                 return time.monotonic() - start
             raise_if_interrupted()  # a stop signal a best-effort step swallowed
@@ -245,18 +239,9 @@ class Supervisor:
         self._stopping = True
         if self.proc.poll() is None:
             self._mark_stop()
-        self._note_sockets()
         status = stop_group(self.proc, STOP_LADDER)
-        with signals_held():  # a second Ctrl-C must not leave the sockets half removed
-            if not group_members(self.pgid):  # else a member could still be using them
-                ipc_sockets.remove_unbound(self._sockets)
-            self._sockets = {}
         self._join_reader()
         return status
-
-    def _note_sockets(self) -> None:
-        if self.proc is not None:
-            self._sockets.update(ipc_sockets.bound_by(group_members(self.pgid)))
 
     def _join_reader(self) -> None:
         if self._reader is not None:

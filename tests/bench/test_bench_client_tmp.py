@@ -97,3 +97,14 @@ def test_a_folder_swapped_for_a_link_is_left_with_a_warning(
     assert "no longer the folder m3patch made for its load client" in capsys.readouterr().err
     client_tmp.remove(str(short_tmp / "gone"))  # already gone: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_a_folder_whose_client_outlived_the_stop_is_left_with_a_warning(
+        short_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, folder = client_tmp.client_env({"TMPDIR": str(short_tmp)})
+    assert folder is not None
+    client_tmp.remove_after(folder, [4242])
+    assert Path(folder).is_dir()
+    assert "processes 4242 of its group outlived the stop" in capsys.readouterr().err
+    client_tmp.remove_after(folder, [])
+    assert not Path(folder).exists()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from core_helpers import server_leftover
 from inferencex_contract import problems
 
 from m3patch.serving.processes import children_of
@@ -80,12 +81,10 @@ def runs(cpu_venv: Path, tiny_model: Path,
 
 
 def test_server_and_client_leave_nothing_in_the_temporary_folder(runs: Path) -> None:
-    """The server's sockets were removed after it, the client's temporary folder with all it
-    left; Torch Inductor's compile cache stays where torch puts it, and torch.distributed's
-    store file where vLLM left it (nothing but its name proves it the server's)."""
+    """The load client's temporary folder went with all it left; what remains is the server's
+    (its sockets, store file and Inductor cache, which m3patch leaves: see server_leftover)."""
     tmp = (runs / "tmp").resolve()
-    left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay (ipc_sockets)
-                  if not p.name.startswith(("torchinductor_", "vllm_dist_")))
+    left = sorted(p.name for p in tmp.iterdir() if not server_leftover(p))
     assert left == []
 
 

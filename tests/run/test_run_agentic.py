@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from core_helpers import server_leftover
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "cpu_tiny_moe_agentic.yaml"
@@ -64,9 +65,8 @@ def test_ci_replays_sessions_with_aiperf_and_scores_them_as_inferencex(
     try:
         done = m3patch("ci", str(recipe), "--run-dir", str(run), timeout=1200,
                        env={"TMPDIR": str(tmp)})
-        # the servers' sockets were removed after them, what AIPerf left with its folder
-        left = sorted(p.name for p in tmp.iterdir()  # but the two meant to stay (ipc_sockets)
-                      if not p.name.startswith(("torchinductor_", "vllm_dist_")))
+        # what AIPerf left went with its temporary folder; the servers' own leftovers stay
+        left = sorted(p.name for p in tmp.iterdir() if not server_leftover(p))
     finally:
         shutil.rmtree(tmp)
     assert done.returncode == 0, done.stderr[-4000:]

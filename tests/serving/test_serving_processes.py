@@ -126,3 +126,37 @@ def test_a_child_started_while_sigint_is_ignored_still_goes_on_the_first_rung(
     started = time.monotonic()
     assert stop_group(plain, LADDER) == -signal.SIGKILL
     assert time.monotonic() - started >= 5.0
+
+
+ODD_NAME = """
+import ctypes, time
+# PR_SET_NAME: any process may call itself anything, bytes that are no UTF-8 included
+ctypes.CDLL(None).prctl(15, ctypes.c_char_p(b"\\xff\\xfe) Z 1"), 0, 0, 0)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_named_with_bytes_that_are_no_utf8_breaks_no_scan(tmp_path: Path) -> None:
+    """Before: /proc/PID/stat was read as UTF-8, and any process on the host (any user's) that
+    named itself so made every scan of /proc raise: a group whose leader had exited was never
+    stopped, and the stop ended in a traceback."""
+    log = tmp_path / "odd.log"
+    with log.open("wb") as out:
+        odd = subprocess.Popen([sys.executable, "-c", ODD_NAME], stdout=out,
+                               start_new_session=True)
+    try:
+        _ready(odd, log)
+        assert group_members(odd.pid) == [odd.pid]  # its name's ")" and "Z" fool no field
+        # a group whose leader is gone and whose member still runs: the stop scans /proc
+        leader = start_group([sys.executable, "-c", "import os, time\nif os.fork():\n"
+                              "    raise SystemExit(0)\ntime.sleep(600)\n"])
+        leader.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not group_members(leader.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stop_group(leader, (StopRung(signal.SIGKILL, 5.0),)) == 0
+        assert group_members(leader.pid) == []
+    finally:
+        odd.kill()
+        odd.wait(timeout=30)
