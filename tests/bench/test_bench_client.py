@@ -8,9 +8,7 @@ cannot be made to do on demand. The real client runs in test_bench_serve.py.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,28 +66,25 @@ print("littered", flush=True)
 
 @pytest.mark.parametrize("ends", ["finishes", "is stopped"])
 def test_what_a_client_leaves_in_its_temporary_folder_goes_with_it(
-        tmp_path: Path, ends: str) -> None:
+        tmp_path: Path, short_tmp: Path, ends: str) -> None:
     """The client runs with a private temporary folder m3patch removes after it, however the
     cell ends; the temporary folder it would have used is left as it was."""
-    base = Path(tempfile.mkdtemp(prefix="m3t-"))  # short: pytest's tmp_path is deep
-    try:
-        argv = [sys.executable, "-c", LITTERER + ("import time; time.sleep(60)"
-                                                  if ends == "is stopped" else "")]
-        env = {**os.environ, "TMPDIR": str(base)}
-        log = tmp_path / "c1.log"
-        if ends == "finishes":
-            assert run_client(argv, cell_id="c1", log_path=log, deadline_s=60,
-                              check_server=lambda: None, env=env).returncode == 0
-        else:
-            def dies_once_littered() -> None:
-                if "littered" in log.read_text():
-                    raise ServerDied("the server stopped during the sweep: test")
+    argv = [sys.executable, "-c", LITTERER + ("import time; time.sleep(60)"
+                                              if ends == "is stopped" else "")]
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
+    log = tmp_path / "c1.log"
+    if ends == "finishes":
+        assert run_client(argv, cell_id="c1", log_path=log, deadline_s=60,
+                          check_server=lambda: None, env=env).returncode == 0
+    else:
+        def dies_once_littered() -> None:
+            if "littered" in log.read_text():
+                raise ServerDied("the server stopped during the sweep: test")
 
-            with pytest.raises(ServerDied):
-                run_client(argv, cell_id="c1", log_path=log, deadline_s=120,
-                           check_server=dies_once_littered, env=env)
-        used = Path(log.read_text().splitlines()[0])
-        assert used.parent == base and used.name.startswith("m3patch-client-")
-        assert list(base.iterdir()) == []
-    finally:
-        shutil.rmtree(base)
+        with pytest.raises(ServerDied):
+            run_client(argv, cell_id="c1", log_path=log, deadline_s=120,
+                       check_server=dies_once_littered, env=env)
+    used = Path(log.read_text().splitlines()[0])
+    assert used.parent == short_tmp and used.name.startswith("m3patch-client-")
+    assert list(short_tmp.iterdir()) == []
+

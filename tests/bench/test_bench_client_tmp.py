@@ -9,24 +9,13 @@ the folder's own rules, on real files.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from m3patch.bench import client_tmp
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A short base folder: pytest's own tmp_path is too deep for a socket path under it."""
-    path = Path(tempfile.mkdtemp(prefix="m3t-"))
-    yield path
-    shutil.rmtree(path)
 
 
 def test_the_client_gets_its_own_temporary_folder(short_tmp: Path) -> None:
