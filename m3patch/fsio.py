@@ -294,9 +294,11 @@ def make_durable(files: Iterable[Path], folders: Iterable[Path]) -> None:
         fsync_dir(folder)
 
 
-def write_new(path: Path | str, data: bytes, mode: int = DEFAULT_MODE, *, sync: bool = True) -> None:
-    """Create `path` as a new inode (never through an existing link), fsynced unless `sync` is
-    False (the caller then makes it durable with `make_durable`). Raises OSError."""
+def write_new(path: Path | str, data: bytes, mode: int = DEFAULT_MODE, *, sync: bool = True,
+              owner: tuple[int, int] | None = None) -> None:
+    """Create `path` as a new inode (never through an existing link) with exactly `mode` (the
+    umask set aside) and, where given, this (uid, gid) owner; fsynced unless `sync` is False
+    (the caller then makes it durable with `make_durable`). Raises OSError."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         fd = os.open(path, flags, mode)
@@ -307,7 +309,12 @@ def write_new(path: Path | str, data: bytes, mode: int = DEFAULT_MODE, *, sync: 
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
+        made = os.fstat(fd)
+        if owner is not None and (made.st_uid, made.st_gid) != owner:
+            os.fchown(fd, *owner)
+            os.fchmod(fd, mode)  # again after chown, which may clear set-id bits
+        elif stat.S_IMODE(made.st_mode) != mode:
+            os.fchmod(fd, mode)
         if sync:
             os.fsync(fd)
     finally:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from m3patch.errors import PatchConflict, TreeIOError, VersionMismatch
 from m3patch.fsio import read_bytes
 from m3patch.patching.diffs import safe_targets
+from m3patch.patching.folder_shares import run_shares
 from m3patch.patching.ledger import Ledger, digest, journal_path, read_ledger
 from m3patch.patching.locate import VllmTree, check_target
 from m3patch.patching.series import Series
@@ -35,21 +36,26 @@ VERSION_FILE = "vllm/_version.py"
 
 
 def read_files(tree: VllmTree, paths: list[str]) -> dict[str, bytes | None]:
-    out: dict[str, bytes | None] = {}
-    for rel, path in safe_targets(tree.root, paths).items():
-        try:
-            out[rel] = read_bytes(path)
-        except FileNotFoundError:
-            out[rel] = None
-        except IsADirectoryError:
-            msg = f"{path}: a folder stands where the series pins a file"
-            raise PatchConflict(msg, hint="move the folder aside, then `m3patch status`; "
-                                "`pip install --force-reinstall --no-deps vllm` restores the file"
-                                ) from None
-        except OSError as exc:
-            msg = f"{path}: cannot read: {exc.strerror}"
-            raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
-    return out
+    """Every path's bytes (None: absent), read on a few threads for a release-sized series."""
+    targets = safe_targets(tree.root, paths)
+    rels = list(targets)
+    data = run_shares(_read_one, list(targets.values()), [r.rpartition("/")[0] for r in rels])
+    return dict(zip(rels, data, strict=True))
+
+
+def _read_one(path: str) -> bytes | None:
+    try:
+        return read_bytes(path)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        msg = f"{path}: a folder stands where the series pins a file"
+        raise PatchConflict(msg, hint="move the folder aside, then `m3patch status`; "
+                            "`pip install --force-reinstall --no-deps vllm` restores the file"
+                            ) from None
+    except OSError as exc:
+        msg = f"{path}: cannot read: {exc.strerror}"
+        raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
 
 
 def current_hashes(contents: Contents) -> dict[str, str | None]:
@@ -139,7 +145,10 @@ def read_and_classify(tree: VllmTree, series: Series,
 
     chains = engine.build_chains(patches)
     data = dict(contents) if contents is not None else read_files(tree, [c.path for c in chains])
-    statuses = {c.path: engine.classify(c, data[c.path]) for c in chains}
+    # hashing a file releases the GIL: the classification of a release shares the CPUs
+    classified = run_shares(lambda c: engine.classify(c, data[c.path]), chains,
+                            [c.path.rpartition("/")[0] for c in chains])
+    statuses = {c.path: status for c, status in zip(chains, classified, strict=True)}
     ledger, note = ledger_or_note(tree)
     return Snapshot(series, chains, data, statuses, ledger, note)
 

@@ -27,6 +27,7 @@ import math
 import os
 import signal
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -42,6 +43,7 @@ from m3patch.fsio import (
     write_new,
 )
 from m3patch.patching.diffs import check_rel_path, safe_target
+from m3patch.patching.folder_shares import run_shares
 from m3patch.patching.ledger import (
     check_sha256,
     dirs_above,
@@ -107,22 +109,26 @@ class Entry:
 
 
 class _Steps:
-    """Counts write steps; the fault hook lets tests stop the process at each one."""
+    """Counts write steps (from every thread of a transaction); the fault hook lets tests stop
+    the process at each one."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.lock = threading.Lock()
         kind, _, number = os.environ.get("M3PATCH_FAULT", "").partition(":")
         self.kind = kind
         self.at = int(number) if number.isdigit() else -1
 
     def done(self) -> None:
-        self.count += 1
-        if self.count != self.at:
+        with self.lock:
+            self.count += 1
+            count = self.count
+        if count != self.at:
             return
         if self.kind == "kill-after":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "fail-after":
-            raise OSError(5, f"M3PATCH_FAULT injected I/O error after step {self.count}")
+            raise OSError(5, f"M3PATCH_FAULT injected I/O error after step {count}")
 
 
 def lock_timeout_from_env() -> float:
@@ -215,15 +221,6 @@ def _write_journal(root: Path, phase: str, entries: list[Entry], ledger: bytes |
     replace_atomic(journal_path(root), json.dumps(body).encode())
 
 
-def _keep_owner(stage: str, target: os.stat_result) -> None:
-    """The staged file gets the target's owner where it differs (created with its mode already:
-    one stat saved per file); chmod again after chown, which may clear set-id bits."""
-    mine = os.stat(stage)
-    if (mine.st_uid, mine.st_gid) != (target.st_uid, target.st_gid):
-        os.chown(stage, target.st_uid, target.st_gid)
-        os.chmod(stage, stat.S_IMODE(target.st_mode))
-
-
 def _entry(change: Change) -> Entry:
     name = Path(change.path).name
     stage = f".{name}.m3patch-new" if change.post is not None else None
@@ -252,10 +249,27 @@ def _stage(root: Path, change: Change, entry: Entry, steps: _Steps) -> None:
         # durable with the whole stage at once (make_durable in commit), before the commit phase
         info = os.stat(target) if change.pre is not None else None
         mode = stat.S_IMODE(info.st_mode) if info is not None else change.mode or DEFAULT_MODE
-        write_new(f"{folder}/{entry.stage}", change.data, mode, sync=False)
-        if info is not None:
-            _keep_owner(f"{folder}/{entry.stage}", info)
+        owner = None if info is None else (info.st_uid, info.st_gid)  # the target's, kept
+        write_new(f"{folder}/{entry.stage}", change.data, mode, sync=False, owner=owner)
         steps.done()
+
+
+def folder_keys(entries: list[Entry]) -> list[str]:
+    """Per entry, the folder whose thread stages, renames and cleans it up: the shallowest
+    folder the transaction creates above it (the entry that creates it comes first in the
+    same thread), else its own folder."""
+    made = {d for e in entries for d in e.made_dirs}
+    keys = []
+    for entry in entries:
+        parts = entry.path.split("/")
+        above = ("/".join(parts[:n]) for n in range(2, len(parts)))
+        keys.append(next((d for d in above if d in made), entry.path.rpartition("/")[0]))
+    return keys
+
+
+def _swap_step(root: Path, entry: Entry, steps: _Steps) -> None:
+    _swap(root, entry)
+    steps.done()
 
 
 def _swap(root: Path, entry: Entry) -> None:
@@ -290,16 +304,19 @@ def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Step
     else:
         replace_atomic(ledger_path(root), ledger)
     steps.done()
-    for entry in entries:
-        if entry.backup:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{root}/{entry.path}".rpartition("/")[0] + f"/{entry.backup}")
+    run_shares(lambda entry: _drop_backup(root, entry), entries, folder_keys(entries))
     steps.done()
     if any(e.drop_dirs for e in entries):
         _remove_dirs(root, [d for e in entries for d in e.drop_dirs])
         steps.done()
     journal_path(root).unlink()
     steps.done()
+
+
+def _drop_backup(root: Path, entry: Entry) -> None:
+    if entry.backup:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{root}/{entry.path}".rpartition("/")[0] + f"/{entry.backup}")
 
 
 def _remove_dirs(root: Path, dirs: list[str]) -> None:
@@ -314,17 +331,16 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
     """Replace every file, write (or with None remove) the ledger; all or nothing."""
     steps = _Steps()
     entries = [_entry(c) for c in changes]
+    keys = folder_keys(entries)
     try:
         _write_journal(root, "stage", entries, ledger)
         steps.done()
-        for change, entry in zip(changes, entries, strict=True):
-            _stage(root, change, entry, steps)
+        run_shares(lambda pair: _stage(root, *pair, steps), list(zip(changes, entries, strict=True)),
+                   keys)
         _stage_durable(root, entries)  # every staged file and link on disk before "commit"
         _write_journal(root, "commit", entries, ledger)
         steps.done()
-        for entry in entries:
-            _swap(root, entry)
-            steps.done()
+        run_shares(lambda entry: _swap_step(root, entry, steps), entries, keys)
     except OSError as exc:
         _rollback(root, entries)
         msg = f"{root}: write failed, every file restored: {exc.strerror or exc}"

@@ -1,0 +1,206 @@
+"""A large transaction's per-file work on a few threads, one share of folders each.
+
+The split itself (pure), its error and stop rules on real threads, and the writer on a
+transaction big enough to be split (270 files in 10 folders, new nested folders, deletions):
+an injected I/O error at points inside the split staging restores every file, and a real
+SIGKILL at points spread over the whole transaction leaves a state the next run completes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from core_helpers import CliRunner
+from test_patching_props import FileCase, make_series, snapshot, write_tree
+
+from m3patch import errors
+from m3patch.patching import folder_shares, writer
+from m3patch.patching.api import apply_series, revert_series, verify_tree
+from m3patch.patching.ledger import read_ledger, state_dir
+from m3patch.patching.locate import tree_at
+from m3patch.patching.series import load_series
+
+
+def test_shares_keep_each_folder_on_one_share_in_order() -> None:
+    keys = ["a", "b", "a", "c", "b", "a", "d"]
+    parts = folder_shares.shares(keys, 2)
+    assert sorted(i for part in parts for i in part) == list(range(len(keys)))
+    for part in parts:
+        assert part == sorted(part)
+    owner = {keys[i]: n for n, part in enumerate(parts) for i in part}
+    assert all(owner[keys[i]] == n for n, part in enumerate(parts) for i in part)
+    assert sorted(len(p) for p in parts) == [3, 4]  # a (3) on one, b + c + d (4) on the other
+
+
+def test_a_small_batch_stays_on_the_calling_thread() -> None:
+    assert folder_shares.thread_count(folder_shares.MIN_PER_SHARE * 2 - 1) == 1
+    seen = folder_shares.run_shares(lambda _: threading.get_ident(), list(range(50)),
+                                    [str(i) for i in range(50)])
+    assert set(seen) == {threading.get_ident()}
+    assert folder_shares.run_shares(lambda x: x, [], []) == []
+
+
+def test_results_come_back_in_the_items_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 3)
+    items = list(range(300))
+    meet = threading.Barrier(3)  # passed only when three threads work at once
+    local = threading.local()
+
+    def work(item: int) -> int:
+        if not getattr(local, "met", False):
+            meet.wait(timeout=10)
+            local.met = True
+        return item * 2
+
+    assert folder_shares.run_shares(work, items, [str(i % 7) for i in items]) == \
+        [i * 2 for i in items]
+
+
+def test_the_first_error_is_raised_once_every_share_has_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in another thread's share stops the calling thread's share too, and nothing is
+    still running when it is raised (a rollback must never race a writer)."""
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    done: list[int] = []
+    keys = ["calling"] * 100 + ["other"] * 100
+
+    def work(item: int) -> None:
+        if item == 105:
+            raise OSError(5, "injected")
+        time.sleep(0.002)
+        done.append(item)
+
+    with pytest.raises(OSError, match="injected"):
+        folder_shares.run_shares(work, list(range(200)), keys)
+    assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
+    finished = len(done)
+    time.sleep(0.05)
+    assert len(done) == finished  # nothing still working after the raise
+    assert not set(range(106, 200)) & set(done)
+    assert len([i for i in done if i < 100]) < 100  # the calling thread stopped early too
+
+
+def test_a_stop_signal_in_the_calling_thread_waits_for_the_other_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM's Interrupted) in the calling thread: the other share ends after its
+    current item, then the stop is raised, not an error of the share."""
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    started, finished = threading.Event(), threading.Event()
+    keys = ["calling"] * 100 + ["other"] * 100
+
+    def work(item: int) -> None:
+        if item == 100:
+            started.set()
+            time.sleep(0.2)  # mid-item when the stop arrives
+            finished.set()
+        if item == 0:
+            started.wait(5)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        folder_shares.run_shares(work, list(range(200)), keys)
+    assert finished.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
+
+
+def test_folder_keys_keep_a_created_folder_with_every_file_below_it() -> None:
+    def entry(path: str, made: tuple[str, ...] = ()) -> writer.Entry:
+        return writer.Entry(path, None, "0" * 64, "s", None, made)
+
+    entries = [entry("vllm/a/x.py"), entry("vllm/new/x.py", ("vllm/new",)),
+               entry("vllm/new/sub/y.py", ("vllm/new/sub",)), entry("vllm/new/z.py"),
+               entry("vllm/a/b/w.py")]
+    assert writer.folder_keys(entries) == ["vllm/a", "vllm/new", "vllm/new", "vllm/new",
+                                           "vllm/a/b"]
+
+
+def big_cases() -> list[FileCase]:
+    """270 files: 240 modified in 8 folders, 20 added in new nested folders, 10 deleted."""
+    cases = [FileCase(f"vllm/f{d}/m{i}.py", [f"x = {i}\n", "pass\n"], [f"x = {i + 1}\n", "pass\n"])
+             for d in range(8) for i in range(30)]
+    cases += [FileCase(f"vllm/newpkg/{'sub/' if i % 2 else ''}n{i}.py", None, [f"n = {i}\n"])
+              for i in range(20)]
+    cases += [FileCase(f"vllm/gone/g{i}.py", [f"g = {i}\n"], None) for i in range(10)]
+    return cases
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> tuple[Path, Path]:
+    """(tree root, series) of the big transaction, the tree at its sources."""
+    cases = big_cases()
+    series = make_series(tmp_path, cases)
+    root = tmp_path / "tree"
+    write_tree(root, {c.path: c.source for c in cases})
+    return root, series
+
+
+def leftovers(root: Path) -> list[str]:
+    found = [str(p) for p in (root / "vllm").rglob("*") if ".m3patch-" in p.name]
+    return found + (["journal.json"] if (state_dir(root) / "journal.json").exists() else [])
+
+
+def test_a_large_apply_is_split_over_threads(big: tuple[Path, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    root, series = big
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2 if items > 64 else 1)
+    threads: set[int] = set()
+    real = writer._stage
+
+    def stage(*args: object) -> None:
+        threads.add(threading.get_ident())
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer, "_stage", stage)
+    before = snapshot(root)
+    tree, loaded = tree_at(root), load_series(series)
+    apply_series(tree, loaded)
+    assert len(threads) == 2
+    assert verify_tree(tree, loaded).ok and leftovers(root) == []
+    assert not (root / "vllm/gone").exists()
+    revert_series(tree, loaded)
+    assert {k: v[0] for k, v in snapshot(root).items()} == {k: v[0] for k, v in before.items()}
+
+
+@pytest.mark.parametrize("step", [2, 57, 180, 300, 420, 540])
+def test_an_io_error_inside_the_split_staging_restores_every_file(
+        big: tuple[Path, Path], step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, series = big
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2 if items > 64 else 1)
+    before = snapshot(root)
+    monkeypatch.setenv("M3PATCH_FAULT", f"fail-after:{step}")
+    with pytest.raises(errors.TreeIOError, match="every file restored"):
+        apply_series(tree_at(root), load_series(series))
+    assert snapshot(root).keys() - {"vllm/.m3patch"} == before.keys() - {"vllm/.m3patch"}
+    assert {k: v[0] for k, v in snapshot(root).items()} == {k: v[0] for k, v in before.items()}
+    assert leftovers(root) == [] and read_ledger(root) is None
+    assert not (root / "vllm/newpkg").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_in_a_split_transaction_then_rerun_completes(
+        big: tuple[Path, Path], m3patch_cli: CliRunner) -> None:
+    """The real CLI (threads as this machine gives them) killed at steps spread over staging,
+    the renames and the cleanup of 270 files; the next run finishes or rolls back, and a
+    revert then gives every source back."""
+    root, series = big
+    before = {k: v[0] for k, v in snapshot(root).items()}
+    tree, loaded = tree_at(root), load_series(series)
+    args = ("apply", "--vllm-root", str(root), "--series", str(series))
+    # 1 journal, 250 backup links, 2 new folders, 260 staged files (steps 1-513), the commit
+    # journal (514), 270 renames/unlinks (515-784), ledger, backups, emptied folder, journal
+    for step in (1, 3, 100, 260, 400, 513, 514, 600, 784, 785, 786, 787, 788, 789):
+        fault = m3patch_cli(*args, env={"M3PATCH_FAULT": f"kill-after:{step}"})
+        if step == 789:  # past the last step: the whole transaction was covered
+            assert fault.returncode == 0, fault.stderr
+            break
+        assert fault.returncode == -signal.SIGKILL, (step, fault.stderr)
+        rerun = m3patch_cli(*args)
+        assert rerun.returncode == 0, (step, rerun.stderr)
+        assert verify_tree(tree, loaded).ok, step
+        assert leftovers(root) == [], step
+        assert m3patch_cli("revert", *args[1:]).returncode == 0
+        assert {k: v[0] for k, v in snapshot(root).items()} == before, step
