@@ -4,10 +4,11 @@ Creating, renaming, linking and unlinking a directory entry, and reading a file,
 calls that release the GIL, and the file system serializes entry changes per folder: threads
 that own disjoint folders change them in parallel, where one thread waits on each call in turn
 (a release-sized apply creates, links, renames and unlinks some 5,000 entries). The calling
-thread works one share itself, so a stop signal is handled where it always was. The first
-error ends every share after its current item and is raised only once every thread has ended:
-a rollback never runs while another thread still writes. A small batch runs on the calling
-thread alone, in order.
+thread works one share itself, so a stop signal is handled where it always was. An error
+stops every share at the item it failed on (the items before it still run, so the error raised
+is the lowest, as one thread would meet it); a stop signal ends every share after its current
+item; either is raised only once every thread has ended: a rollback never runs while another
+thread still writes. A small batch runs on the calling thread alone, in order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
+
+from m3patch.errors import Interrupted
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -47,49 +50,89 @@ def shares(keys: Sequence[str], count: int) -> list[list[int]]:
 
 def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) -> list[R]:
     """work(item) for every item, items of one key on one thread in order; the results in the
-    items' order. The first exception (of any thread) is raised after every thread ended."""
+    items' order. Raised once every thread has ended: a stop signal's exception, else the error
+    of the lowest item that failed (the one a single thread would have met first: the same on
+    any machine). Where no thread can be started (a process limit), the calling thread works
+    that share too."""
     parts = shares(keys, thread_count(len(items)))
     if len(parts) <= 1:
         return [work(item) for item in items]
-    results: list[R | None] = [None] * len(items)
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    batch = _Batch(work, items)
+    waits: list[threading.Event] = []
+    try:
+        unstarted = [share for share in parts[1:] if not _started(batch, share, waits)]
+        for share in [parts[0], *unstarted]:
+            batch.run(share)
+    except BaseException as exc:  # a stop signal in the calling thread, between items
+        batch.fail(STOPPED, exc)
+    finally:
+        _wait_all(batch, waits)
+    return batch.outcome()
 
-    def one_share(share: list[int]) -> None:
+
+STOPPED = -1  # the "item" a stop signal fails: every share ends after its current item
+
+
+def _is_stop(exc: BaseException) -> bool:
+    return not isinstance(exc, Exception) or isinstance(exc, Interrupted)
+
+
+class _Batch(Generic[T, R]):
+    """One run_shares call: the results, and the lowest failed item so far (none past it is
+    started; every one before it still is, so the lowest failure is always found)."""
+
+    def __init__(self, work: Callable[[T], R], items: Sequence[T]) -> None:
+        self.work, self.items = work, items
+        self.results: list[R | None] = [None] * len(items)
+        self.lock = threading.Lock()
+        self.limit = len(items)
+        self.failures: dict[int, BaseException] = {}
+
+    def fail(self, index: int, exc: BaseException) -> None:
+        with self.lock:
+            self.failures[index] = exc
+            self.limit = STOPPED if _is_stop(exc) else min(self.limit, index)
+
+    def run(self, share: list[int], finished: threading.Event | None = None) -> None:
         try:
             for index in share:
-                if stop.is_set():
+                if index >= self.limit:
                     return
-                results[index] = work(items[index])
-        except BaseException as exc:  # handed to the calling thread, raised there
-            errors.append(exc)
-            stop.set()
+                try:
+                    self.results[index] = self.work(self.items[index])
+                except BaseException as exc:  # raised by the calling thread, in outcome()
+                    self.fail(index, exc)
+                    return
+        finally:
+            if finished is not None:
+                finished.set()
 
-    threads = [threading.Thread(target=one_share, args=(share,), daemon=True,
-                                name="m3patch-share") for share in parts[1:]]
-    for thread in threads:
-        thread.start()
+    def outcome(self) -> list[R]:
+        if self.failures:
+            stops = [exc for exc in self.failures.values() if _is_stop(exc)]
+            raise stops[0] if stops else self.failures[min(self.failures)]
+        return self.results  # type: ignore[return-value]  # every index was filled
+
+
+def _started(batch: _Batch[T, R], share: list[int], waits: list[threading.Event]) -> bool:
+    finished = threading.Event()
+    thread = threading.Thread(target=batch.run, args=(share, finished), daemon=True,
+                              name="m3patch-share")
     try:
-        one_share(parts[0])
-    finally:
-        if errors:
-            stop.set()
-        _join_all(threads, stop)
-    if errors:
-        raise errors[0]
-    return results  # type: ignore[return-value]  # every index was filled: no error
+        thread.start()
+    except RuntimeError:  # "can't start new thread": a process or container pids limit
+        return False
+    waits.append(finished)
+    return True
 
 
-def _join_all(threads: list[threading.Thread], stop: threading.Event) -> None:
-    """Wait for every thread; a stop signal while waiting ends the others after their current
-    item, and is raised once they have ended."""
-    pending: BaseException | None = None
-    for thread in threads:
-        while thread.is_alive():
+def _wait_all(batch: _Batch[T, R], waits: list[threading.Event]) -> None:
+    """Until every started share has ended. Each thread sets its own event as its last act;
+    Thread.join is not used, as a signal handler raising inside it marks a running thread as
+    ended (CPython 3.11) and the wait would end while that thread still writes."""
+    for finished in waits:
+        while not finished.is_set():
             try:
-                thread.join()
-            except BaseException as exc:  # a signal handler's exception, in the calling thread
-                stop.set()
-                pending = pending or exc
-    if pending is not None:
-        raise pending
+                finished.wait()
+            except BaseException as exc:  # a stop signal while waiting: the others end early
+                batch.fail(STOPPED, exc)

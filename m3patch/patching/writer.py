@@ -12,6 +12,9 @@ revert removes the ones the ledger says the apply made); a pre-existing folder i
 Durability is per phase, not per file: everything staged (post-images, backup links, folders) is
 flushed at once (fsio.make_durable: one syncfs) before the commit journal is written, and the
 renames at once before the ledger; the journal and ledger themselves are fsynced as they land.
+A large transaction's per-file steps (staging, renames, backup removal) run on a few threads,
+each owning whole folders (folder_shares); the phases stay in order, and so does every file's
+own steps, so a killed run leaves the same kinds of states as one thread would.
 
 Test-only fault hook: M3PATCH_FAULT=kill-after:N sends SIGKILL to this process right after
 write step N; M3PATCH_FAULT=fail-after:N raises OSError there (an I/O error mid-transaction).

@@ -3,12 +3,13 @@ and of `m3patch --version`. Targets: <= 0.5 s and <= 150 ms on the 2-core CI mac
 
 Usage: python scripts/measure/bench_core.py [--runs N] [--out docs/results/bench_core.json]
        python scripts/measure/bench_core.py --release [--release-runs N] [--before DIR]
-              [--out docs/results/bench_release.json]
+              [--ram-ext4] [--out docs/results/bench_release.json]
 
 `--release` times the whole-release apply instead (bench_release.py: the vLLM 0.32.0 -> 0.33.0
 difference as a series, m3patch apply and verify, cold and warm, each warm apply paired with its
-own `git apply` run just before it; with `--before DIR` a second checkout of m3patch, e.g. main,
-in the same run).
+own `git apply` and the durable floor (release_floor.py) run just before it; with `--before DIR`
+a second checkout of m3patch, e.g. main, in the same run; with `--ram-ext4` every tree on a
+fresh memory-backed ext4, the same fast disk for every run).
 
 Uses the full real series (patches/vllm-0.33.0, locked into a temp copy from the pristine
 wheel); falls back to tests/data/test-series when that series does not lock, and says so.
@@ -21,6 +22,7 @@ PYTHONDONTWRITEBYTECODE=1, so every import compiles from source) and with byteco
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -97,6 +99,8 @@ def main() -> int:
     parser.add_argument("--release", action="store_true",
                         help="time the whole-release apply against git apply instead")
     parser.add_argument("--release-runs", type=int, default=3)
+    parser.add_argument("--ram-ext4", action="store_true",
+                        help="--release: run every tree on a fresh ext4 backed by memory (root)")
     parser.add_argument("--before", type=Path, metavar="DIR",
                         help="--release: also time the m3patch checkout in DIR (e.g. main)")
     args = parser.parse_args()
@@ -138,6 +142,8 @@ def main() -> int:
               "command": "python scripts/measure/bench_core.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.platform()} ({os.cpu_count()}-core CI machine, shared with "
                          "other jobs: see load_avg)", "cpus": os.cpu_count(),
+              "file_system": "ext4 on a loop device in /dev/shm (--ram-ext4)" if args.ram_ext4
+              else "the machine's own disk (the temporary folder's file system)",
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
               "importtime_top": imports, "cprofile_top_tottime": profile,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -152,11 +158,14 @@ def main() -> int:
 
 
 def release(args: argparse.Namespace) -> int:
-    from bench_release import print_rows, release_rows
+    from bench_release import print_rows, ram_ext4, release_rows
 
     codes = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="m3patch-release-") as tmp:
+    with contextlib.ExitStack() as stack:
+        parent = stack.enter_context(ram_ext4()) if args.ram_ext4 else None
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="m3patch-release-",
+                                                              dir=parent))
         counts, rows, per_run = release_rows(Path(tmp), args.release_runs, codes)
     print_rows(counts, rows, per_run)
     out = args.out if args.out != REPO / "docs" / "results" / "bench_core.json" else (
@@ -168,6 +177,8 @@ def release(args: argparse.Namespace) -> int:
                        for k, v in codes.items()},
               "machine": f"{platform.platform()} ({os.cpu_count()} cores, shared with other "
                          "jobs: see load_avg)", "cpus": os.cpu_count(),
+              "file_system": "ext4 on a loop device in /dev/shm (--ram-ext4)" if args.ram_ext4
+              else "the machine's own disk (the temporary folder's file system)",
               "load_avg_before": load_before, "load_avg": os.getloadavg(), "rows": rows,
               "per_run": per_run, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(report, indent=2, allow_nan=False)

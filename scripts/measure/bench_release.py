@@ -17,6 +17,7 @@ timed right after its own `git apply`, and the headline is the median of those p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import resource
@@ -24,7 +25,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CHUNK = 12
@@ -67,6 +70,29 @@ def release_series(old: Path, new: Path, dest: Path) -> dict[str, int]:
     files = sum(len(v) for v in groups.values())
     hunks = sum(s.count(b"\n@@ ") for v in groups.values() for s in v)
     return {"patches": number, "files": files, "hunks": hunks, "binary_files_left_out": binaries}
+
+
+@contextlib.contextmanager
+def ram_ext4(size_mb: int = 3072) -> Iterator[Path]:
+    """A fresh ext4 file system on a loop device backed by memory (/dev/shm), mounted in a
+    temporary folder: a fast disk with ext4's own journal, syncfs and inode allocation, the same
+    for every run (this VM's own disk moves tenfold in its cost of creating a file). Root
+    only; unmounted and deleted afterwards."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        raise SystemExit("--ram-ext4 needs root and mkfs.ext4 (e2fsprogs)")
+    image = Path(tempfile.mkstemp(prefix="m3patch-bench-ext4-", suffix=".img", dir="/dev/shm")[1])
+    mount = Path(tempfile.mkdtemp(prefix="m3patch-bench-ext4-"))
+    try:
+        os.truncate(image, size_mb << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+        try:
+            yield mount
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)
+    finally:
+        mount.rmdir()
+        image.unlink()
 
 
 def on_disk(tree: Path) -> Path:
@@ -115,6 +141,15 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[
     old, new = pristine_tree("0.32.0"), pristine_tree("0.33.0")
     series = work / "release-series"
     counts = release_series(old, new, series)
+    if os.stat(old).st_dev != os.stat(work).st_dev:  # copies by hard link need the same one
+        old = copy_tree(old, work / "pristine-0.32.0")
+    floor_pack = work / "floor-images.bin"
+    paths = sorted({m.group(1).decode() for p in series.glob("*.patch")
+                    for m in re.finditer(rb"(?m)^diff --git a/(\S+) b/", p.read_bytes())})
+    (work / "floor-paths.txt").write_text("\n".join(paths) + "\n")
+    floor = [sys.executable, str(Path(__file__).with_name("release_floor.py"))]
+    subprocess.run([*floor, "pack", str(floor_pack), str(old), str(new),
+                    str(work / "floor-paths.txt")], check=True)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
     for code in codes.values():  # bytecode, as `pip install` leaves an installed m3patch: a
         # checkout run under PYTHONDONTWRITEBYTECODE=1 would compile every module on each run
@@ -155,11 +190,15 @@ def release_rows(work: Path, runs: int, codes: dict[str, Path]) -> tuple[
             create = create_cost(work)
             (git,) = on_copy(f"git-{label}-{run}",
                              [("git apply", ["git", "apply", *patches], None, base_env)])
+            (least,) = on_copy(f"floor-{label}-{run}", [
+                ("durable floor (release_floor.py)", [*floor, "apply", str(floor_pack), "TREE"],
+                 None, base_env)])
             warm, _ = on_copy(f"m3-{label}-{run}-warm", [
                 (f"{label}: m3patch apply (warm)", [*m3, "apply", *where], code, env),
                 (f"{label}: m3patch verify (warm)", [*m3, "verify", *where], code, env)])
             per_run.append({"code": label, "create_ms": create, "git_apply_s": git,
-                            "warm_apply_s": warm, "warm_vs_git": warm / git})
+                            "floor_s": least, "warm_apply_s": warm, "warm_vs_git": warm / git,
+                            "floor_vs_git": least / git, "warm_vs_floor": warm / least})
             # the serve/bench/ci path: apply and verify in one process, which fills the compile
             # memo (a bare verify only reads it); then a bare verify of the same contents
             on_copy(f"m3-{label}-{run}-verify", [
@@ -194,10 +233,14 @@ def print_rows(counts: dict[str, int], rows: list[dict[str, object]],
         print(f"{r['command']!s:44} {r['runs']!s:>4} {r['median_wall_s']:7.2f} "
               f"{r['median_cpu_s']:7.2f} {r['wall_vs_git_apply']:12.2f} {r['cpu_vs_git_apply']:11.2f}")
     print("each warm apply right after its own `git apply` (the file system's regime shared):")
-    print(f"{'code':>7} {'create ms/file':>14} {'git apply s':>11} {'warm apply s':>12} {'x git':>6}")
+    print(f"{'code':>7} {'create ms/file':>14} {'git apply s':>11} {'floor s':>7} "
+          f"{'warm apply s':>12} {'x git':>6} {'floor x git':>11} {'x floor':>7}")
     for one in per_run:
         print(f"{one['code']!s:>7} {one['create_ms']:14.3f} {one['git_apply_s']:11.2f} "
-              f"{one['warm_apply_s']:12.2f} {one['warm_vs_git']:6.2f}")
+              f"{one['floor_s']:7.2f} {one['warm_apply_s']:12.2f} {one['warm_vs_git']:6.2f} "
+              f"{one['floor_vs_git']:11.2f} {one['warm_vs_floor']:7.2f}")
+    floors = [float(str(one["floor_vs_git"])) for one in per_run]
+    print(f"durable floor: median of its pairs' ratios {statistics.median(floors):.2f}x git apply")
     for r in rows:
         if "median_pair_ratio" in r:
             print(f"{r['command']}: median of its pairs' ratios {r['median_pair_ratio']:.2f}x "
