@@ -97,6 +97,20 @@ def locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[N
         yield
 
 
+def recover_first(tree: VllmTree, dry_run: bool) -> list[str]:
+    """A killed run's transaction, finished or rolled back under the tree lock before anything
+    is judged: one killed after it replaced vllm/_version.py and before it wrote the ledger
+    leaves the series' version image with no ledger of this series, which the version check
+    alone refuses (exit 4) for ever. The journal alone says what to do (validated as hostile)."""
+    if dry_run or not transaction_pending(tree.root):
+        return []
+    from m3patch.patching import writer  # deferred: the already-applied fast path never writes
+
+    with writer.tree_lock(tree.root):
+        recovered = writer.recover(tree.root)
+    return [recovered] if recovered else []
+
+
 def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
     """One tree holds one series: its ledger names it. Taking over a tree another series
     patched would leave that series' other files patched and its folders unrecorded."""
@@ -355,9 +369,10 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         msg = f"unknown mode {mode!r}"
         raise UsageError(msg, hint="use mode='strict' or mode='offset'")
     mode = Mode(mode)
+    recovered = recover_first(tree, dry_run)
     pins = pinned(series)
     target = check_series_target(tree, series, pins.hashes, mode)
-    notes = [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
+    notes = recovered + [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     if not only and mode == Mode.STRICT:
         done = _already_applied(tree, pins, target.version, dry_run, notes)
         if done is not None:

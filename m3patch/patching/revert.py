@@ -14,6 +14,7 @@ from m3patch.patching.apply import (
     ApplyReport,
     locked_or_dry,
     missing_dirs,
+    recover_first,
     refuse_other_series,
     to_changes,
 )
@@ -56,10 +57,11 @@ def _folders(tree: VllmTree, snap: Snapshot,
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
+    recovered = recover_first(tree, dry_run)
     pins = pinned(series)
     target = check_series_target(tree, series, pins.hashes, Mode.REVERT)
     patches = load_patches(series, pins.raw)
-    notes = [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
+    notes = recovered + [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     with locked_or_dry(tree, dry_run, notes):
         snap = read_and_classify(tree, series, patches)
         refuse_other_series(snap, tree)

@@ -123,6 +123,10 @@ def check_series_target(tree: VllmTree, series: Series, hashes: Mapping[str, tup
     except VersionMismatch as exc:
         if mode == Mode.OFFSET or (ours and ledger is not None and ledger.mode == Mode.OFFSET):
             return Target(f"offset mode: {exc.message}", tree.version, tree.commit)
+        if transaction_pending(tree.root):  # status and verify never recover; apply does first
+            msg = f"{exc.message} ({PENDING_TRANSACTION})"
+            raise VersionMismatch(msg, hint=f"m3patch apply --vllm-root {tree.root} --series "
+                                  f"{series.directory}, then this command again") from None
         raise
 
 

@@ -101,3 +101,31 @@ def test_an_offset_port_to_another_version_is_accepted_by_every_command(
         assert run(m3patch_cli, command, vllm_tree, series)[0] == 0, command
     assert run(m3patch_cli, "revert", vllm_tree, series)[0] == 0
     assert (vllm_tree / rel).read_bytes() == (pristine_033 / rel).read_bytes()
+
+
+def test_a_run_killed_after_replacing_the_version_file_is_recovered_by_the_next(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """Killed after vllm/_version.py was replaced and before the ledger was written: the
+    version image of this series and no ledger. The next apply (and revert) finishes or rolls
+    back the journal before the version check, instead of exit 4 for ever."""
+    series = make_series(tmp_path / "bump", pristine_033, [bump_diff(pristine_033)])
+    pristine_bytes = (vllm_tree / VERSION).read_bytes()
+    # steps: journal, backup link, staged file, commit journal, the rename (5), ledger (6)
+    for command, then in (("apply", "apply"), ("apply", "revert")):
+        killed = m3patch_cli(command, "--vllm-root", str(vllm_tree), "--series", str(series),
+                             env={"M3PATCH_FAULT": "kill-after:5"})
+        assert killed.returncode == -9, killed.stderr
+        assert "'0.34.0'" in (vllm_tree / VERSION).read_text()
+        assert read_ledger(vllm_tree) is None
+        for read_only in ("status", "verify"):  # never recover: they say how to
+            code, out = run(m3patch_cli, read_only, vllm_tree, series)
+            assert code == errors.VersionMismatch.exit_code, out
+            assert "interrupted transaction is pending" in out and "fix: m3patch apply" in out
+        code, out = run(m3patch_cli, then, vllm_tree, series)
+        assert code == 0, out
+        assert "completed an interrupted transaction" in out
+        assert not (vllm_tree / "vllm/.m3patch/journal.json").exists()
+        if then == "apply":
+            assert run(m3patch_cli, "verify", vllm_tree, series)[0] == 0
+            assert run(m3patch_cli, "revert", vllm_tree, series)[0] == 0
+        assert (vllm_tree / VERSION).read_bytes() == pristine_bytes
