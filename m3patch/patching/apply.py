@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from m3patch.errors import PatchConflict, TreeIOError, UsageError
+from m3patch.errors import PatchConflict, TreeIOError, UsageError, VersionMismatch
 from m3patch.patching.diffs import safe_targets
 from m3patch.patching.ledger import (
     Ledger,
@@ -24,7 +24,7 @@ from m3patch.patching.ledger import (
     read_ledger,
     state_dir,
 )
-from m3patch.patching.locate import VllmTree
+from m3patch.patching.locate import VllmTree, read_version
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import Pinned, load_patches, pinned
 from m3patch.patching.snapshot import (
@@ -97,18 +97,31 @@ def locked_or_dry(tree: VllmTree, dry_run: bool, notes: list[str]) -> Iterator[N
         yield
 
 
-def recover_first(tree: VllmTree, dry_run: bool) -> list[str]:
-    """A killed run's transaction, finished or rolled back under the tree lock before anything
-    is judged: one killed after it replaced vllm/_version.py and before it wrote the ledger
-    leaves the series' version image with no ledger of this series, which the version check
-    alone refuses (exit 4) for ever. The journal alone says what to do (validated as hostile)."""
-    if dry_run or not transaction_pending(tree.root):
-        return []
+def checked_target(tree: VllmTree, series: Series, hashes: Mapping[str, tuple[str | None, ...]],
+                   mode: Mode, dry_run: bool) -> tuple[VllmTree, Target, list[str]]:
+    """The version check (snapshot.check_series_target), and where it fails with a killed run's
+    journal pending: that journal finished or rolled back under the tree lock, then the check
+    again on the tree as it now is (its version read afresh). A run killed after it replaced
+    vllm/_version.py and before it wrote the ledger leaves the series' version image with no
+    ledger of this series, which the check alone refuses (exit 4) for ever. Returns the tree,
+    the target and the recovery note; a dry run never recovers."""
+    try:
+        return tree, check_series_target(tree, series, hashes, mode), []
+    except VersionMismatch:
+        if dry_run or not transaction_pending(tree.root):
+            raise
     from m3patch.patching import writer  # deferred: the already-applied fast path never writes
 
     with writer.tree_lock(tree.root):
         recovered = writer.recover(tree.root)
-    return [recovered] if recovered else []
+    notes = [recovered] if recovered else []
+    version, commit = read_version(tree.package_dir)
+    tree = replace(tree, version=version, commit=commit)
+    try:
+        return tree, check_series_target(tree, series, hashes, mode), notes
+    except VersionMismatch as exc:
+        msg = f"{exc.message} (checked after: {'; '.join(notes) or 'no journal left'})"
+        raise VersionMismatch(msg, hint=exc.hint) from None
 
 
 def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
@@ -369,9 +382,8 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         msg = f"unknown mode {mode!r}"
         raise UsageError(msg, hint="use mode='strict' or mode='offset'")
     mode = Mode(mode)
-    recovered = recover_first(tree, dry_run)
     pins = pinned(series)
-    target = check_series_target(tree, series, pins.hashes, mode)
+    tree, target, recovered = checked_target(tree, series, pins.hashes, mode, dry_run)
     notes = recovered + [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     if not only and mode == Mode.STRICT:
         done = _already_applied(tree, pins, target.version, dry_run, notes)

@@ -4,19 +4,23 @@ Creating, renaming, linking and unlinking a directory entry, and reading a file,
 calls that release the GIL, and the file system serializes entry changes per folder: threads
 that own disjoint folders change them in parallel, where one thread waits on each call in turn
 (a release-sized apply creates, links, renames and unlinks some 5,000 entries). The calling
-thread works one share itself, so a stop signal is handled where it always was. An error
-stops every share at the item it failed on (the items before it still run, so the error raised
-is the lowest, as one thread would meet it); a stop signal ends every share after its current
-item; either is raised only once every thread has ended: a rollback never runs while another
-thread still writes. A small batch runs on the calling thread alone, in order.
+thread works one share itself, and only it takes signals (the others start and run with them
+blocked). An error stops every share at the item it failed on (the items before it still run,
+so the error raised is the lowest, as one thread would meet it); a stop signal while the calling
+thread works ends every share after its current item; one while it waits for the others is
+delivered once they have ended; either is raised only once every thread has ended: a rollback
+never runs while another thread still writes. A small batch runs on the calling thread alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
-from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 from m3patch.errors import Interrupted
 
@@ -60,14 +64,77 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
     batch = _Batch(work, items)
     waits: list[threading.Event] = []
     try:
-        unstarted = [share for share in parts[1:] if not _started(batch, share, waits)]
+        with signals_deferred():  # a signal inside Thread.start would lose a running thread
+            unstarted = [share for share in parts[1:] if not _started(batch, share, waits)]
         for share in [parts[0], *unstarted]:
             batch.run(share)
     except BaseException as exc:  # a stop signal in the calling thread, between items
         batch.fail(STOPPED, exc)
     finally:
-        _wait_all(batch, waits)
+        with signals_deferred():  # delivered (its handler raising) once every share ended
+            _wait_all(batch, waits)
     return batch.outcome()
+
+
+def _wait_all(batch: _Batch[T, R], waits: list[threading.Event]) -> None:
+    """Until every started share has ended, whatever a signal handler raises meanwhile (another
+    thread of the process that does not block signals hands them to this one's handler). It
+    polls each thread's own event: Thread.join interrupted marks a running thread as ended
+    (CPython 3.11), and Event.wait interrupted can leave its lock broken."""
+    for finished in waits:
+        while not finished.is_set():
+            try:
+                time.sleep(WAIT_POLL_S)
+            except BaseException as exc:  # a stop: the others end after their current item
+                batch.fail(STOPPED, exc)
+
+
+WAIT_POLL_S = 0.002
+
+
+# Synchronous faults are never deferred (the kernel would kill the process for them anyway).
+_NOT_DEFERRED = {getattr(signal, name) for name in (
+    "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT", "SIGKILL", "SIGSTOP")
+    if hasattr(signal, name)}
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Signals held, not lost: blocked in this thread (a thread started meanwhile keeps them
+    blocked for its life), and every Python handler swapped for one that only notes the signal,
+    since another thread of the process that does not block them still hands them to the main
+    thread's handler, which could raise at any line. On the way out the handlers and the mask
+    are restored and each noted signal is raised again, so its own handler runs (and raises)
+    then."""
+    noted: list[int] = []
+    saved = _note_signals(noted)
+    mask = getattr(signal, "pthread_sigmask", None)
+    old = mask(signal.SIG_BLOCK, signal.valid_signals() - _NOT_DEFERRED) if mask else None
+    try:
+        yield
+    finally:
+        if mask is not None and old is not None:
+            mask(signal.SIG_SETMASK, old)
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)
+
+
+def _note_signals(noted: list[int]) -> dict[int, Any]:
+    """Swap every Python-level handler (main thread only: signal handlers live there) for one
+    that notes the signal; the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    saved: dict[int, Any] = {}
+    for signum in signal.valid_signals() - _NOT_DEFERRED:
+        try:
+            handler = signal.getsignal(signum)
+        except (OSError, ValueError):
+            continue
+        if callable(handler):
+            saved[signum] = signal.signal(signum, lambda number, frame: noted.append(number))
+    return saved
 
 
 STOPPED = -1  # the "item" a stop signal fails: every share ends after its current item
@@ -90,7 +157,7 @@ class _Batch(Generic[T, R]):
 
     def fail(self, index: int, exc: BaseException) -> None:
         with self.lock:
-            self.failures[index] = exc
+            self.failures.setdefault(index, exc)  # the first stop signal stays the one raised
             self.limit = STOPPED if _is_stop(exc) else min(self.limit, index)
 
     def run(self, share: list[int], finished: threading.Event | None = None) -> None:
@@ -124,15 +191,3 @@ def _started(batch: _Batch[T, R], share: list[int], waits: list[threading.Event]
         return False
     waits.append(finished)
     return True
-
-
-def _wait_all(batch: _Batch[T, R], waits: list[threading.Event]) -> None:
-    """Until every started share has ended. Each thread sets its own event as its last act;
-    Thread.join is not used, as a signal handler raising inside it marks a running thread as
-    ended (CPython 3.11) and the wait would end while that thread still writes."""
-    for finished in waits:
-        while not finished.is_set():
-            try:
-                finished.wait()
-            except BaseException as exc:  # a stop signal while waiting: the others end early
-                batch.fail(STOPPED, exc)

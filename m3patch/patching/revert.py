@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from m3patch.errors import PatchConflict, VerifyFailed
 from m3patch.patching.apply import (
     ApplyReport,
+    checked_target,
     locked_or_dry,
     missing_dirs,
-    recover_first,
     refuse_other_series,
     to_changes,
 )
@@ -23,7 +23,7 @@ from m3patch.patching.ledger import file_digest
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
 from m3patch.patching.series_lock import load_patches, pinned
-from m3patch.patching.snapshot import Snapshot, check_series_target, read_and_classify
+from m3patch.patching.snapshot import Snapshot, read_and_classify
 from m3patch.patching.states import Mode
 
 if TYPE_CHECKING:
@@ -57,9 +57,8 @@ def _folders(tree: VllmTree, snap: Snapshot,
 
 def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> ApplyReport:
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
-    recovered = recover_first(tree, dry_run)
     pins = pinned(series)
-    target = check_series_target(tree, series, pins.hashes, Mode.REVERT)
+    tree, target, recovered = checked_target(tree, series, pins.hashes, Mode.REVERT, dry_run)
     patches = load_patches(series, pins.raw)
     notes = recovered + [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
     with locked_or_dry(tree, dry_run, notes):

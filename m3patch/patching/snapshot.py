@@ -126,7 +126,8 @@ def check_series_target(tree: VllmTree, series: Series, hashes: Mapping[str, tup
         if transaction_pending(tree.root):  # status and verify never recover; apply does first
             msg = f"{exc.message} ({PENDING_TRANSACTION})"
             raise VersionMismatch(msg, hint=f"m3patch apply --vllm-root {tree.root} --series "
-                                  f"{series.directory}, then this command again") from None
+                                  f"{series.directory} finishes or undoes it, then checks the "
+                                  "version again (a tree of another vLLM stays refused)") from None
         raise
 
 

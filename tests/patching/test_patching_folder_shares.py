@@ -99,6 +99,81 @@ def test_a_stop_signal_waits_for_the_other_share(when: str, monkeypatch: pytest.
     assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
 
 
+def test_a_signal_while_a_thread_starts_is_held_until_every_share_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread.start waits for the new thread to run; a signal whose handler raised there lost a
+    thread that then kept writing. Here the signal is sent by the start itself: it is delivered
+    only once the threads are started, and raised only once every share ended."""
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    real_start = threading.Thread.start
+
+    def start_with_a_signal(self: threading.Thread) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_with_a_signal)
+    running: set[int] = set()
+    left_running: list[set[int]] = []
+
+    def work(item: int) -> None:
+        running.add(item)
+        time.sleep(0.01)
+        running.discard(item)
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stop
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(Stop):
+            try:
+                folder_shares.run_shares(work, list(range(256)), ["a"] * 128 + ["b"] * 128)
+            finally:
+                left_running.append(set(running))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert left_running == [set()]
+    assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
+
+
+def test_signals_while_waiting_are_held_until_every_share_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stop signals in a row while the calling thread waits for the other share (a second
+    one used to escape the wait): both are delivered once it ended; the first is raised."""
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    ended: list[float] = []
+    raised: list[str] = []
+
+    def work(item: int) -> None:
+        if item == 128:
+            time.sleep(1.0)
+            ended.append(time.monotonic())
+
+    def handler(signum: int, frame: object) -> None:
+        raised.append("signal")
+        raise Stop(len(raised))
+
+    def two_signals() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    timer = threading.Timer(0.3, two_signals)
+    try:
+        timer.start()
+        with pytest.raises(Stop):
+            folder_shares.run_shares(work, list(range(256)), ["a"] * 128 + ["b"] * 128)
+        at = time.monotonic()
+    finally:
+        timer.cancel()
+        timer.join()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    assert ended and ended[0] <= at
+    assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
+
+
 def test_an_error_is_raised_once_every_share_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in another thread's share stops the calling thread's share too (past the failed
     item), and nothing is still running when it is raised (a rollback must never race a

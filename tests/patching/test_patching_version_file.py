@@ -129,3 +129,48 @@ def test_a_run_killed_after_replacing_the_version_file_is_recovered_by_the_next(
             assert run(m3patch_cli, "verify", vllm_tree, series)[0] == 0
             assert run(m3patch_cli, "revert", vllm_tree, series)[0] == 0
         assert (vllm_tree / VERSION).read_bytes() == pristine_bytes
+
+
+def test_a_recovered_revert_leaves_the_applied_on_version_in_the_next_ledger(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """A revert killed after its commit journal, then apply: the ledger still says the series
+    was applied on 0.33.0 (the version the version file said before any patch), never the
+    series' own 0.34.0 image that was in place when the command started."""
+    series = make_series(tmp_path / "bump", pristine_033, [bump_diff(pristine_033)])
+    assert run(m3patch_cli, "apply", vllm_tree, series)[0] == 0
+    killed = m3patch_cli("revert", "--vllm-root", str(vllm_tree), "--series", str(series),
+                         env={"M3PATCH_FAULT": "kill-after:4"})  # the commit journal is written
+    assert killed.returncode == -9, killed.stderr
+    code, out = run(m3patch_cli, "apply", vllm_tree, series)
+    assert code == 0, out
+    ledger = read_ledger(vllm_tree)
+    assert ledger is not None
+    assert (ledger.vllm_version, ledger.vllm_commit) == ("0.33.0", "4ba787ec9")
+
+
+def test_a_command_refused_before_the_version_check_leaves_a_pending_journal_alone(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """A killed run's journal is recovered only by a command that gets as far as the version
+    check: an unlocked series (2) touches nothing; a series the half-done tree's version refuses
+    (4) recovers it first, checks again and says so in the refusal."""
+    series = make_series(tmp_path / "bump", pristine_033, [bump_diff(pristine_033)])
+    killed = m3patch_cli("apply", "--vllm-root", str(vllm_tree), "--series", str(series),
+                         env={"M3PATCH_FAULT": "kill-after:5"})
+    assert killed.returncode == -9, killed.stderr
+    journal = vllm_tree / "vllm/.m3patch/journal.json"
+    assert journal.exists()
+    unlocked = make_series(tmp_path / "unlocked", None, [bump_diff(pristine_033)])
+    code, out = run(m3patch_cli, "apply", vllm_tree, unlocked)
+    assert code == errors.UsageError.exit_code, out
+    assert journal.exists() and read_ledger(vllm_tree) is None
+    added = ("diff --git a/vllm/m3patch_other.py b/vllm/m3patch_other.py\nnew file mode 100644\n"
+             "--- /dev/null\n+++ b/vllm/m3patch_other.py\n@@ -0,0 +1 @@\n+x = 1\n")
+    other = make_series(tmp_path / "other", None, [added])  # 0.33.0, _version.py not pinned
+    (other / "series.yaml").write_text((other / "series.yaml").read_text().replace(
+        "id: made", "id: other"))
+    locked = m3patch_cli("series", "lock", "--series", str(other), "--tree", str(pristine_033))
+    assert locked.returncode == 0, locked.stderr
+    code, out = run(m3patch_cli, "apply", vllm_tree, other)
+    assert code == errors.VersionMismatch.exit_code, out
+    assert "checked after: completed an interrupted transaction" in out
+    assert not journal.exists()
