@@ -66,6 +66,18 @@ def _on_threads(work: Callable[[list[Item]], None], shares: list[list[Item]]) ->
         thread.join()
 
 
+def _write(path: str, data: bytes | memoryview, flags: int, *, sync: bool) -> None:
+    """A journal (fsynced) or a staged post-image (its owner and mode read back, as m3patch's
+    writer does; flushed with the rest by syncfs)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    os.write(fd, data)
+    if sync:
+        os.fsync(fd)
+    else:
+        os.fstat(fd)
+    os.close(fd)
+
+
 def apply(pack_file: Path, tree: Path, threads: int) -> None:
     raw = pack_file.read_bytes()
     (size,) = struct.unpack_from("<Q", raw)
@@ -74,12 +86,6 @@ def apply(pack_file: Path, tree: Path, threads: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     root = str(tree)
     journal = f"{root}/vllm/.floor-journal"
-
-    def write_synced(path: str, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, data)
-        os.fsync(fd)
-        os.close(fd)
 
     def stage(share: list[Item]) -> None:
         for rel, offset, length, existed in share:
@@ -92,10 +98,7 @@ def apply(pack_file: Path, tree: Path, threads: int) -> None:
             else:
                 os.makedirs(folder, exist_ok=True)
             if length >= 0:
-                fd = os.open(f"{folder}/.{name}.new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.write(fd, body[offset:offset + length])
-                os.fstat(fd)
-                os.close(fd)
+                _write(f"{folder}/.{name}.new", body[offset:offset + length], os.O_EXCL, sync=False)
 
     def swap(share: list[Item]) -> None:
         for rel, _, length, _ in share:
@@ -115,10 +118,10 @@ def apply(pack_file: Path, tree: Path, threads: int) -> None:
     shares = _by_folder(index, threads)
     names = json.dumps([i[0] for i in index]).encode()
     fd = os.open(root, os.O_RDONLY)
-    write_synced(journal, b"stage " + names)
+    _write(journal, b"stage " + names, os.O_TRUNC, sync=True)
     _on_threads(stage, shares)
     libc.syncfs(fd)
-    write_synced(journal, b"commit " + names)
+    _write(journal, b"commit " + names, os.O_TRUNC, sync=True)
     _on_threads(swap, shares)
     libc.syncfs(fd)
     _on_threads(drop, shares)
