@@ -10,6 +10,8 @@ so the error raised is the lowest, as one thread would meet it); a stop signal w
 thread works ends every share after its current item; one while it waits for the others is
 delivered once they have ended; either is raised only once every thread has ended: a rollback
 never runs while another thread still writes. A small batch runs on the calling thread alone.
+Limit: where the process has another thread that does not block signals, a signal handled at
+the exact instruction inside Thread.start can still leave that share's thread unwaited for.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from m3patch.errors import Interrupted
 
@@ -54,87 +56,66 @@ def shares(keys: Sequence[str], count: int) -> list[list[int]]:
 
 def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) -> list[R]:
     """work(item) for every item, items of one key on one thread in order; the results in the
-    items' order. Raised once every thread has ended: a stop signal's exception, else the error
-    of the lowest item that failed (the one a single thread would have met first: the same on
-    any machine). Where no thread can be started (a process limit), the calling thread works
-    that share too."""
+    items' order. Raised once every thread has ended: a stop signal's exception (the first),
+    else the error of the lowest item that failed (the one a single thread would have met
+    first: the same on any machine). Where no thread can be started (a process limit), the
+    calling thread works that share too."""
     parts = shares(keys, thread_count(len(items)))
     if len(parts) <= 1:
         return [work(item) for item in items]
     batch = _Batch(work, items)
     waits: list[threading.Event] = []
     try:
-        with signals_deferred():  # a signal inside Thread.start would lose a running thread
+        with signals_blocked():  # none inside Thread.start; the threads keep them blocked
             unstarted = [share for share in parts[1:] if not _started(batch, share, waits)]
         for share in [parts[0], *unstarted]:
             batch.run(share)
-    except BaseException as exc:  # a stop signal in the calling thread, between items
+    except BaseException as exc:  # a stop signal in the calling thread
         batch.fail(STOPPED, exc)
     finally:
-        with signals_deferred():  # delivered (its handler raising) once every share ended
-            _wait_all(batch, waits)
+        _wait_all(batch, waits)
     return batch.outcome()
 
 
 def _wait_all(batch: _Batch[T, R], waits: list[threading.Event]) -> None:
-    """Until every started share has ended, whatever a signal handler raises meanwhile (another
-    thread of the process that does not block signals hands them to this one's handler). It
-    polls each thread's own event: Thread.join interrupted marks a running thread as ended
-    (CPython 3.11), and Event.wait interrupted can leave its lock broken."""
-    for finished in waits:
-        while not finished.is_set():
-            try:
-                time.sleep(WAIT_POLL_S)
-            except BaseException as exc:  # a stop: the others end after their current item
-                batch.fail(STOPPED, exc)
+    """Until every started share has ended, signals blocked meanwhile (one that arrives is
+    delivered once they are unblocked, its handler's exception taken as a stop), and whatever a
+    handler raises inside the wait taken the same way: another thread of the process that does
+    not block signals still runs this thread's handlers. It polls each share's own event, as an
+    interrupted Thread.join marks a running thread ended (CPython 3.11)."""
+    while True:
+        try:
+            with signals_blocked():
+                for finished in waits:
+                    while not finished.is_set():
+                        time.sleep(WAIT_POLL_S)
+            return
+        except BaseException as exc:  # a stop: the others end after their current item
+            batch.fail(STOPPED, exc)
 
 
 WAIT_POLL_S = 0.002
-
-
-# Synchronous faults are never deferred (the kernel would kill the process for them anyway).
-_NOT_DEFERRED = {getattr(signal, name) for name in (
+# Synchronous faults are never blocked (the kernel would kill the process for them anyway).
+_NOT_BLOCKED = {getattr(signal, name) for name in (
     "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT", "SIGKILL", "SIGSTOP")
     if hasattr(signal, name)}
+_BLOCKED = signal.valid_signals() - _NOT_BLOCKED
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Signals held, not lost: blocked in this thread (a thread started meanwhile keeps them
-    blocked for its life), and every Python handler swapped for one that only notes the signal,
-    since another thread of the process that does not block them still hands them to the main
-    thread's handler, which could raise at any line. On the way out the handlers and the mask
-    are restored and each noted signal is raised again, so its own handler runs (and raises)
-    then."""
-    noted: list[int] = []
-    saved = _note_signals(noted)
+def signals_blocked() -> Iterator[None]:
+    """Asynchronous signals blocked in this thread (held by the kernel, not lost: delivered when
+    unblocked, and their handlers run then); a thread started meanwhile keeps them blocked for
+    its life, so a signal for the process goes to the calling thread."""
     mask = getattr(signal, "pthread_sigmask", None)
-    old = mask(signal.SIG_BLOCK, signal.valid_signals() - _NOT_DEFERRED) if mask else None
+    if mask is None:  # not POSIX
+        yield
+        return
+    old = mask(signal.SIG_BLOCK, _BLOCKED)
     try:
         yield
     finally:
-        if mask is not None and old is not None:
-            mask(signal.SIG_SETMASK, old)
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        for signum in dict.fromkeys(noted):
-            signal.raise_signal(signum)
-
-
-def _note_signals(noted: list[int]) -> dict[int, Any]:
-    """Swap every Python-level handler (main thread only: signal handlers live there) for one
-    that notes the signal; the handlers replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    saved: dict[int, Any] = {}
-    for signum in signal.valid_signals() - _NOT_DEFERRED:
-        try:
-            handler = signal.getsignal(signum)
-        except (OSError, ValueError):
-            continue
-        if callable(handler):
-            saved[signum] = signal.signal(signum, lambda number, frame: noted.append(number))
-    return saved
+        mask(signal.SIG_SETMASK, old)
 
 
 STOPPED = -1  # the "item" a stop signal fails: every share ends after its current item

@@ -138,8 +138,9 @@ def test_a_signal_while_a_thread_starts_is_held_until_every_share_ended(
 
 def test_signals_while_waiting_are_held_until_every_share_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two stop signals in a row while the calling thread waits for the other share (a second
-    one used to escape the wait): both are delivered once it ended; the first is raised."""
+    """Two stop signals in a row while the calling thread waits for the other share, sent by
+    another thread that does not block signals (a second one used to escape the wait): the
+    wait goes on until the share ended, and the first stop is raised."""
     monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
     ended: list[float] = []
     raised: list[str] = []
@@ -155,16 +156,17 @@ def test_signals_while_waiting_are_held_until_every_share_ended(
 
     def two_signals() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.001)
+        time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGUSR1)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     timer = threading.Timer(0.3, two_signals)
     try:
         timer.start()
-        with pytest.raises(Stop):
+        with pytest.raises(Stop) as stopped:
             folder_shares.run_shares(work, list(range(256)), ["a"] * 128 + ["b"] * 128)
         at = time.monotonic()
+        assert stopped.value.args == (1,)
     finally:
         timer.cancel()
         timer.join()
