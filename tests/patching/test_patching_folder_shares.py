@@ -182,11 +182,16 @@ def test_an_error_is_raised_once_every_share_has_ended(monkeypatch: pytest.Monke
     writer)."""
     monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
     done: list[int] = []
+    started: list[float] = []
+    failed_at: list[float] = []
     keys = ["other"] * 100 + ["calling"] * 100
 
     def work(item: int) -> None:
         if item == 0:
+            time.sleep(0.05)  # the other share is well under way
+            failed_at.append(time.monotonic())
             raise OSError(5, "injected")
+        started.append(time.monotonic())
         time.sleep(0.01)
         done.append(item)
 
@@ -196,7 +201,8 @@ def test_an_error_is_raised_once_every_share_has_ended(monkeypatch: pytest.Monke
     finished = len(done)
     time.sleep(0.05)
     assert len(done) == finished  # nothing still working after the raise
-    assert len(done) <= 2 and all(item >= 100 for item in done)  # at most the items in flight
+    assert all(item >= 100 for item in done)  # the calling thread's share stopped at its error
+    assert len([t for t in started if t > failed_at[0]]) <= 1  # at most one item began after
 
 
 def test_the_lowest_failed_item_wins_whatever_the_timing(monkeypatch: pytest.MonkeyPatch) -> None:
