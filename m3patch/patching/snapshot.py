@@ -123,7 +123,7 @@ def check_series_target(tree: VllmTree, series: Series, hashes: Mapping[str, tup
     except VersionMismatch as exc:
         if mode == Mode.OFFSET or (ours and ledger is not None and ledger.mode == Mode.OFFSET):
             return Target(f"offset mode: {exc.message}", tree.version, tree.commit)
-        if transaction_pending(tree.root):  # status and verify never recover; apply does first
+        if transaction_pending(tree.root):  # status and verify never recover; apply and revert do, then check again
             msg = f"{exc.message} ({PENDING_TRANSACTION})"
             raise VersionMismatch(msg, hint=f"m3patch apply --vllm-root {tree.root} --series "
                                   f"{series.directory} finishes or undoes it, then checks the "
