@@ -60,8 +60,9 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
     else the error of the lowest item that failed (the one a single thread would have met
     first: the same on any machine). Where no thread can be started (a process limit), the
     calling thread works that share too."""
-    parts = shares(keys, thread_count(len(items)))
-    if len(parts) <= 1:
+    count = thread_count(len(items))
+    parts = shares(keys, count) if count > 1 else []
+    if len(parts) <= 1:  # a small batch, or one folder: no split to make
         return [work(item) for item in items]
     batch = _Batch(work, items)
     waits: list[threading.Event] = []

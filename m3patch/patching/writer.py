@@ -299,7 +299,8 @@ def _stage_durable(root: Path, entries: list[Entry]) -> None:
     make_durable((p for p in staged if p.exists()), _folders(root, entries))
 
 
-def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps) -> None:
+def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Steps,
+            keys: list[str] | None = None) -> None:
     make_durable([], _folders(root, entries))  # the renames, before the ledger says so
     if ledger is None:
         with contextlib.suppress(FileNotFoundError):
@@ -307,7 +308,8 @@ def _finish(root: Path, entries: list[Entry], ledger: bytes | None, steps: _Step
     else:
         replace_atomic(ledger_path(root), ledger)
     steps.done()
-    run_shares(lambda entry: _drop_backup(root, entry), entries, folder_keys(entries))
+    run_shares(lambda entry: _drop_backup(root, entry), entries,
+               folder_keys(entries) if keys is None else keys)
     steps.done()
     if any(e.drop_dirs for e in entries):
         _remove_dirs(root, [d for e in entries for d in e.drop_dirs])
@@ -349,7 +351,7 @@ def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
         msg = f"{root}: write failed, every file restored: {exc.strerror or exc}"
         raise TreeIOError(msg, hint="free disk space / fix permissions, then rerun") from None
     try:
-        _finish(root, entries, ledger, steps)
+        _finish(root, entries, ledger, steps, keys)
     except OSError as exc:  # every file is in place; the journal lets the next run finish
         msg = f"{root}: files replaced, but recording failed: {exc.strerror or exc}"
         raise TreeIOError(msg, hint="rerun the same m3patch command to finish") from None
