@@ -10,8 +10,10 @@ so the error raised is the lowest, as one thread would meet it); a stop signal w
 thread works ends every share after its current item; one while it waits for the others is
 delivered once they have ended; either is raised only once every thread has ended: a rollback
 never runs while another thread still writes. A small batch runs on the calling thread alone.
-Limit: where the process has another thread that does not block signals, a signal handled at
-the exact instruction inside Thread.start can still leave that share's thread unwaited for.
+Each share is claimed once, by its own thread or by the calling thread: a handler that raises
+anywhere in the calling thread (another thread of the process that does not block signals still
+runs them) cannot leave a share's thread unwaited for. Limit: a second such signal handled at the
+exact instruction between two attempts to wait can still end the wait early.
 """
 
 from __future__ import annotations
@@ -65,34 +67,41 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
     if len(parts) <= 1:  # a small batch, or one folder: no split to make
         return [work(item) for item in items]
     batch = _Batch(work, items)
-    waits: list[threading.Event] = []
+    # Every share is recorded before any thread exists, so a handler that raises anywhere below
+    # (even inside Thread.start) cannot lose a thread: each share is worked by whoever claims it.
+    slots = [_Share(part) for part in parts]
     try:
         with signals_blocked():  # none inside Thread.start; the threads keep them blocked
-            unstarted = [share for share in parts[1:] if not _started(batch, share, waits)]
-        for share in [parts[0], *unstarted]:
-            batch.run(share)
+            for slot in slots[1:]:
+                _start(batch, slot)
+        for slot in slots:  # its own share, then any whose thread has not begun (or none started)
+            if slot.claim(CALLER):
+                batch.run(slot.indices)
     except BaseException as exc:  # a stop signal in the calling thread
         batch.fail(STOPPED, exc)
     finally:
-        _wait_all(batch, waits)
+        while True:  # a handler may raise even on entering the wait; it is a stop like any other
+            try:
+                _wait_all(slots)
+                break
+            except BaseException as exc:
+                batch.fail(STOPPED, exc)
     return batch.outcome()
 
 
-def _wait_all(batch: _Batch[T, R], waits: list[threading.Event]) -> None:
-    """Until every started share has ended, signals blocked meanwhile (one that arrives is
-    delivered once they are unblocked, its handler's exception taken as a stop), and whatever a
-    handler raises inside the wait taken the same way: another thread of the process that does
-    not block signals still runs this thread's handlers. It polls each share's own event, as an
+def _wait_all(slots: list[_Share]) -> None:
+    """Until every share a thread claimed has ended; a share no thread claimed yet is claimed
+    here, so a thread that begins late finds it taken and ends at once. Signals are blocked
+    meanwhile (one that arrives is delivered once they are unblocked); another thread of the
+    process that does not block signals still runs this thread's handlers, so what they raise
+    propagates to the caller, which waits again. It polls each share's own event, as an
     interrupted Thread.join marks a running thread ended (CPython 3.11)."""
-    while True:
-        try:
-            with signals_blocked():
-                for finished in waits:
-                    while not finished.is_set():
-                        time.sleep(WAIT_POLL_S)
-            return
-        except BaseException as exc:  # a stop: the others end after their current item
-            batch.fail(STOPPED, exc)
+    with signals_blocked():
+        for slot in slots:
+            if slot.claim(CALLER) or slot.owner == CALLER:
+                continue
+            while not slot.finished.is_set():
+                time.sleep(WAIT_POLL_S)
 
 
 WAIT_POLL_S = 0.002
@@ -142,19 +151,15 @@ class _Batch(Generic[T, R]):
             self.failures.setdefault(index, exc)  # the first stop signal stays the one raised
             self.limit = STOPPED if _is_stop(exc) else min(self.limit, index)
 
-    def run(self, share: list[int], finished: threading.Event | None = None) -> None:
-        try:
-            for index in share:
-                if index >= self.limit:
-                    return
-                try:
-                    self.results[index] = self.work(self.items[index])
-                except BaseException as exc:  # raised by the calling thread, in outcome()
-                    self.fail(index, exc)
-                    return
-        finally:
-            if finished is not None:
-                finished.set()
+    def run(self, share: list[int]) -> None:
+        for index in share:
+            if index >= self.limit:
+                return
+            try:
+                self.results[index] = self.work(self.items[index])
+            except BaseException as exc:  # raised by the calling thread, in outcome()
+                self.fail(index, exc)
+                return
 
     def outcome(self) -> list[R]:
         if self.failures:
@@ -163,13 +168,40 @@ class _Batch(Generic[T, R]):
         return self.results  # type: ignore[return-value]  # every index was filled
 
 
-def _started(batch: _Batch[T, R], share: list[int], waits: list[threading.Event]) -> bool:
-    finished = threading.Event()
-    thread = threading.Thread(target=batch.run, args=(share, finished), daemon=True,
-                              name="m3patch-share")
+CALLER, WORKER = "caller", "worker"
+
+
+class _Share:
+    """One share's items and who works them: the first to claim it, its own thread or the
+    calling thread, and never both."""
+
+    _claims = threading.Lock()
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+        self.owner: str | None = None
+        self.finished = threading.Event()  # set by its thread once it has worked the share
+
+    def claim(self, who: str) -> bool:
+        with self._claims:
+            if self.owner is None:
+                self.owner = who
+                return True
+            return False
+
+
+def _work_share(batch: _Batch[T, R], slot: _Share) -> None:
+    """A share's thread: signals blocked (inherited), so no handler ever raises here."""
+    if not slot.claim(WORKER):  # the calling thread took it, or the batch is over
+        return
     try:
-        thread.start()
-    except RuntimeError:  # "can't start new thread": a process or container pids limit
-        return False
-    waits.append(finished)
-    return True
+        batch.run(slot.indices)
+    finally:
+        slot.finished.set()
+
+
+def _start(batch: _Batch[T, R], slot: _Share) -> None:
+    thread = threading.Thread(target=_work_share, args=(batch, slot), daemon=True,
+                              name="m3patch-share")
+    with contextlib.suppress(RuntimeError):  # "can't start new thread": a pids limit; the
+        thread.start()                       # calling thread claims and works that share

@@ -136,6 +136,58 @@ def test_a_signal_while_a_thread_starts_is_held_until_every_share_ended(
     assert not [t for t in threading.enumerate() if t.name == "m3patch-share"]
 
 
+@pytest.mark.parametrize("where", ["before", "inside", "after"])
+def test_a_handler_raising_anywhere_around_a_thread_start_loses_no_thread(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread of the process that does not block signals (pytest-xdist's own, serve's
+    log reader) makes CPython run the calling thread's handler whatever its mask: its exception
+    can come before the thread is made, inside Thread.start once it is made, or just after start
+    returned. The share is worked by its thread or by none, and the stop is raised only once
+    nothing runs (CI once saw item 128 still running: the thread started, its record lost)."""
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    real_start, real_wait = threading.Thread.start, threading.Event.wait
+    starting: list[threading.Thread] = []
+
+    running: set[int] = set()
+    began: list[float] = []
+    thread_working = threading.Event()
+
+    def start(self: threading.Thread) -> None:
+        if where == "before":
+            raise Stop
+        starting.append(self)
+        real_start(self)
+        if where == "after":
+            thread_working.wait(timeout=5)  # the handler came late: the thread is at work
+            raise Stop
+
+    def wait(self: threading.Event, timeout: float | None = None) -> bool:
+        if not starting or self is not starting[-1]._started:  # type: ignore[attr-defined]
+            return real_wait(self, timeout)
+        real_wait(self, timeout)
+        real_wait(thread_working, 5)
+        raise Stop  # in Thread.start's wait for the thread it made
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    if where == "inside":
+        monkeypatch.setattr(threading.Event, "wait", wait)
+
+    def work(item: int) -> None:
+        running.add(item)
+        began.append(time.monotonic())
+        if item >= 128:
+            thread_working.set()
+        time.sleep(0.005)
+        running.discard(item)
+
+    with pytest.raises(Stop):
+        folder_shares.run_shares(work, list(range(256)), ["a"] * 128 + ["b"] * 128)
+    raised, left = time.monotonic(), set(running)
+    time.sleep(0.1)
+    assert left == set() and running == set()
+    assert not [t for t in began if t > raised]
+
+
 def test_signals_while_waiting_are_held_until_every_share_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two stop signals in a row while the calling thread waits for the other share, sent by
