@@ -254,7 +254,9 @@ def test_an_error_is_raised_once_every_share_has_ended(monkeypatch: pytest.Monke
     time.sleep(0.05)
     assert len(done) == finished  # nothing still working after the raise
     assert all(item >= 100 for item in done)  # the calling thread's share stopped at its error
-    assert len([t for t in started if t > failed_at[0]]) <= 1  # at most one item began after
+    # unstopped, its items would go on starting for a second (100 of 10 ms); 0.2 s leaves room
+    # for a loaded machine to switch threads late, without a count that load can change
+    assert len(done) < 100 and not [t for t in started if t > failed_at[0] + 0.2]
 
 
 def test_the_lowest_failed_item_wins_whatever_the_timing(monkeypatch: pytest.MonkeyPatch) -> None:
