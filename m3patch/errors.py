@@ -46,8 +46,6 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 
 class M3PatchError(Exception):
     """Root of every expected failure; carries its own exit code."""
@@ -242,14 +240,52 @@ class Interrupted(M3PatchError):
 
 
 _pending_interrupts: list[Interrupted] = []
+_deferring: set[object] = set()  # split batches running (folder_shares): their threads end first
+_deferred: list[BaseException] = []
 
 
-def interrupt(error: Interrupted) -> NoReturn:
+def interrupt(error: Interrupted) -> None:
     """Raise `error` for a stop signal, and keep it: a broad `except M3PatchError` around a
     best-effort step (a memo read) may swallow the raise, and `raise_if_interrupted` in every
     wait raises it again, so a stop request is never lost in a wait that would not end."""
     _pending_interrupts.append(error)
+    stop(error)
+
+
+def stop(error: BaseException) -> None:
+    """A stop signal handler's last act: raise `error`; or, while a batch is split over threads,
+    keep it and return, the batch raising it once every thread has ended. A handler that raised
+    there could be met again at once by the next pending signal's, inside the batch's own
+    cleanup (CPython runs each pending handler at the next check), and escape it mid-write."""
+    if _deferring:
+        _deferred.append(error)
+        return
     raise error
+
+
+def on_sigint(signum: int, frame: object) -> None:
+    """SIGINT as Python's own handler (KeyboardInterrupt), kept instead while a batch is split."""
+    stop(KeyboardInterrupt())
+
+
+def stop_requested() -> bool:
+    """A stop signal arrived while a split batch runs: its shares end after their current item."""
+    return bool(_deferred)
+
+
+def defer_stops(batch: object) -> None:
+    _deferring.add(batch)
+
+
+def end_deferring(batch: object) -> BaseException | None:
+    """The first stop kept while batches were split, once the last of them has ended (safe to
+    call for a batch that never began deferring)."""
+    _deferring.discard(batch)
+    if _deferring or not _deferred:
+        return None
+    first = _deferred[0]
+    _deferred.clear()
+    return first
 
 
 def raise_if_interrupted() -> None:
@@ -261,6 +297,7 @@ def forget_interrupts() -> None:
     """A new command starts with no stop request of an earlier one in the same process (tests
     and callers that run `main` more than once)."""
     _pending_interrupts.clear()
+    _deferred.clear()
 
 
 INTERNAL_ERROR_EXIT = 70

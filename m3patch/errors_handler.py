@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from m3patch import __version__
-from m3patch.errors import INTERNAL_ERROR_EXIT, M3PatchError, OutputFailed
+from m3patch.errors import (
+    INTERNAL_ERROR_EXIT,
+    M3PatchError,
+    OutputFailed,
+    forget_interrupts,
+    raise_if_interrupted,
+)
 
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a tool killed by SIGPIPE reports (`| head`)
 # errno of a write to a stream that cannot take it (stdout to /dev/full, a full disk or quota)
@@ -107,8 +113,11 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
     outcome = Outcome()
     report_json_on_error(None)
     debug = debug or os.environ.get("M3PATCH_DEBUG_TRACEBACK") == "1"
+    forget_interrupts()
     try:
         yield outcome
+        if outcome.code == 0:  # a stop that a best-effort step swallowed is not a success
+            raise_if_interrupted()
     except M3PatchError as exc:
         if debug:
             traceback.print_exc()

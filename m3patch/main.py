@@ -85,6 +85,19 @@ class _JsonUsageParser(argparse.ArgumentParser):
         raise UsageError(msg, hint=f"{self.prog} --help")
 
 
+def _own_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt as before, but waits while a batch is split over threads
+    (errors.stop); a SIGINT that is ignored (a background job, nohup) stays ignored."""
+    import signal
+    import threading
+
+    from m3patch.errors import on_sigint
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
@@ -109,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with handle_errors(debug=ns.debug_traceback) as outcome:
         from m3patch.patching import memo
+
+        _own_sigint()
 
         memo.start_command(COMMANDS[name].read_only)
         module = importlib.import_module(COMMANDS[name].module)

@@ -12,8 +12,11 @@ delivered once they have ended; either is raised only once every thread has ende
 never runs while another thread still writes. A small batch runs on the calling thread alone.
 Each share is claimed once, by its own thread or by the calling thread: a handler that raises
 anywhere in the calling thread (another thread of the process that does not block signals still
-runs them) cannot leave a share's thread unwaited for. Limit: a second such signal handled at the
-exact instruction between two attempts to wait can still end the wait early.
+runs them) cannot leave a share's thread unwaited for. m3patch's own stop handlers do not raise
+while a batch is split (errors.stop keeps the stop; the batch raises it once every share ended):
+with several signals pending CPython runs each handler at its next check, and one raising inside
+the batch's own stop handling would escape it. Limit: a handler of someone else's that raises,
+handled a second time at the exact instruction between two attempts to wait, ends the wait early.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from m3patch.errors import Interrupted
+from m3patch.errors import Interrupted, defer_stops, end_deferring, stop_requested
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -70,6 +73,23 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
     # Every share is recorded before any thread exists, so a handler that raises anywhere below
     # (even inside Thread.start) cannot lose a thread: each share is worked by whoever claims it.
     slots = [_Share(part) for part in parts]
+    main = threading.current_thread() is threading.main_thread()  # where handlers run
+    mask = _current_mask()
+    try:
+        if main:  # m3patch's handlers keep a stop and return until every share has ended
+            defer_stops(batch)
+        _work_and_wait(batch, slots)
+    finally:
+        first_stop = end_deferring(batch) if main else None
+        _restore_mask(mask)  # a foreign handler raising inside signals_blocked skipped its exit
+    if first_stop is not None:
+        raise first_stop
+    return batch.outcome()
+
+
+def _work_and_wait(batch: _Batch[T, R], slots: list[_Share]) -> None:
+    """Start the shares' threads, work the calling thread's share (and any no thread took), then
+    wait for every thread; what a handler of someone else's raises meanwhile is a stop."""
     try:
         with signals_blocked():  # none inside Thread.start; the threads keep them blocked
             for slot in slots[1:]:
@@ -86,7 +106,6 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
                 break
             except BaseException as exc:
                 batch.fail(STOPPED, exc)
-    return batch.outcome()
 
 
 def _wait_all(slots: list[_Share]) -> None:
@@ -110,6 +129,16 @@ _NOT_BLOCKED = {getattr(signal, name) for name in (
     "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT", "SIGKILL", "SIGSTOP")
     if hasattr(signal, name)}
 _BLOCKED = signal.valid_signals() - _NOT_BLOCKED
+
+
+def _current_mask() -> set[signal.Signals] | None:
+    mask = getattr(signal, "pthread_sigmask", None)
+    return None if mask is None else mask(signal.SIG_BLOCK, [])
+
+
+def _restore_mask(old: set[signal.Signals] | None) -> None:
+    if old is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager
@@ -153,7 +182,7 @@ class _Batch(Generic[T, R]):
 
     def run(self, share: list[int]) -> None:
         for index in share:
-            if index >= self.limit:
+            if index >= self.limit or stop_requested():
                 return
             try:
                 self.results[index] = self.work(self.items[index])

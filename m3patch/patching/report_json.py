@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch import __version__, errors_handler
-from m3patch.errors import M3PatchError
+from m3patch.errors import M3PatchError, raise_if_interrupted
 from m3patch.fsio import read_state
 from m3patch.patching.ledger import digest, ledger_path, read_ledger
 from m3patch.patching.locate import VllmTree, find_vllm
@@ -85,6 +85,8 @@ def attach(fields: dict[str, Any], tree: VllmTree, series_id: str | None) -> Non
 
 
 def finish(fields: dict[str, Any]) -> None:
-    """Print the object of a run that exits 0."""
+    """Print the object of a run that exits 0; a stop signal that a best-effort step swallowed
+    is raised instead, so the one object printed is Interrupted's (130)."""
+    raise_if_interrupted()
     errors_handler.report_json_on_error(None)
     print(json.dumps(fields, indent=2), flush=True)

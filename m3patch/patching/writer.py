@@ -334,6 +334,7 @@ def _remove_dirs(root: Path, dirs: list[str]) -> None:
 
 def commit(root: Path, changes: list[Change], ledger: bytes | None) -> None:
     """Replace every file, write (or with None remove) the ledger; all or nothing."""
+    raise_if_interrupted()  # a stop a best-effort step (a memo read) swallowed: write nothing
     steps = _Steps()
     entries = [_entry(c) for c in changes]
     keys = folder_keys(entries)

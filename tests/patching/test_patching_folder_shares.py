@@ -394,3 +394,64 @@ def test_sigkill_anywhere_in_a_split_transaction_then_rerun_completes(
         assert leftovers(root) == [], step
         assert m3patch_cli("revert", *args[1:]).returncode == 0
         assert {k: v[0] for k, v in snapshot(root).items()} == before, step
+
+
+@pytest.mark.parametrize("sent", [("SIGHUP", "SIGINT", "SIGTERM"), ("SIGHUP", "SIGTERM"),
+                                  ("SIGINT",), ("SIGTERM", "SIGQUIT", "SIGHUP", "SIGINT")])
+@pytest.mark.parametrize("calling", ["waiting", "working"])
+def test_several_stop_signals_with_m3patchs_own_handlers_wait_for_every_share(
+        sent: tuple[str, ...], calling: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """m3patch's own handlers (a tree command's SIGTERM, SIGHUP, SIGQUIT and Ctrl-C), several
+    stop signals at once, sent by another thread that does not block signals. Before: each
+    pending handler raised at the next check CPython makes, the third inside the batch's own
+    stop handling, and the batch raised while another share's item still ran; two left the
+    calling thread with every signal blocked for good, and the first stop lost. Now the handlers
+    keep a stop while the batch is split: every share ends after its current item, the first
+    stop is raised, and the signal mask is as it was."""
+    from m3patch import errors
+    from m3patch.commands import common
+
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    names = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT")
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    running: set[int] = set()
+    began: list[float] = []
+
+    def work(item: int) -> None:
+        running.add(item)
+        began.append(time.monotonic())
+        try:
+            time.sleep(1.0 if item == 128 else 0.01 if calling == "working" else 0)
+        finally:
+            running.discard(item)
+
+    def foreign() -> None:
+        time.sleep(0.3)
+        for name in sent:
+            os.kill(os.getpid(), getattr(signal, name))
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        common.prepare_process()
+        signal.signal(signal.SIGINT, errors.on_sigint)
+        sender = threading.Thread(target=foreign, daemon=True)
+        sender.start()
+        with pytest.raises((KeyboardInterrupt, errors.Interrupted)) as raised:
+            folder_shares.run_shares(work, list(range(256)), ["a"] * 128 + ["b"] * 128)
+        at, left = time.monotonic(), set(running)
+        sender.join()
+        kept = list(errors._pending_interrupts)  # the Interrupted ones, in the order handled
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+        errors.forget_interrupts()
+    # CPython runs pending handlers in signal-number order: the first handled is not always the
+    # first sent, but it is the one raised
+    if isinstance(raised.value, errors.Interrupted):
+        assert raised.value is kept[0]
+    else:
+        assert "SIGINT" in sent
+    assert left == set() and not [t for t in began if t > at]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    if calling == "working":  # the calling thread's share stopped after its current item
+        assert len([t for t in began if t < at]) < 128 + 1 + 10

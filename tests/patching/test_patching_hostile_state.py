@@ -480,3 +480,66 @@ def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
         assert time.monotonic() - start < 10
     finally:
         os.close(fd)
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and ".m3patch" not in p.parts}
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_stop_a_memo_read_swallowed_writes_nothing_and_exits_130(
+        json_out: bool, vllm_tree: Path, test_series: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: with the tree lock free, a stop signal swallowed by the parse memo's read (its
+    `except M3PatchError`) let the apply go on, patch every file and exit 0: a Ctrl-\\ or a CI
+    runner's SIGTERM ignored. Now the writer raises the kept stop before its journal: nothing
+    written, 130, and under --json the one object is Interrupted's. The signal is delivered in
+    the memo read itself (by its handler, as the kernel would), which a real server cannot time."""
+    from m3patch.commands import common
+    from m3patch.patching import parse_cache
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert main(["apply", *where]) == 0  # fills the parse memo the next apply reads
+    assert main(["revert", *where]) == 0
+    before = _tree_bytes(vllm_tree)
+
+    def read_and_get_stopped(*args: object, **kwargs: object) -> object:
+        common._on_sigterm(signal.SIGTERM, None)
+        raise AssertionError  # unreachable: the handler raises
+
+    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+    code, out, err = cli("apply", *where, *(["--json"] if json_out else []))
+    assert code == 130, err
+    assert "received signal SIGTERM" in err
+    assert _tree_bytes(vllm_tree) == before
+    assert not (vllm_tree / "vllm" / ".m3patch" / "journal.json").exists()
+    if json_out:
+        report = json.loads(out)  # exactly one object
+        assert (report["exit_code"], report["error"]["type"]) == (130, "Interrupted")
+
+
+def test_a_stop_swallowed_after_the_transaction_exits_130_with_one_json_object(
+        vllm_tree: Path, test_series: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a stop signal swallowed while the image memo was written (after the transaction
+    committed) ended in exit 0, the success object printed. Now: 130, one JSON object, the
+    Interrupted one; the transaction stands, and the next apply finds every file applied."""
+    from m3patch.commands import common
+    from m3patch.patching import image_memo
+
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
+    where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+
+    def write_and_get_stopped(*args: object, **kwargs: object) -> None:
+        common._on_sigterm(signal.SIGTERM, None)
+
+    monkeypatch.setattr(image_memo, "write_cache_bytes", write_and_get_stopped)
+    code, out, err = cli("apply", *where, "--json")
+    assert code == 130, err
+    report = json.loads(out)
+    assert (report["exit_code"], report["error"]["type"]) == (130, "Interrupted")
+    code, out, err = cli("apply", *where, "--json")
+    again = json.loads(out)
+    assert code == 0 and again["already_applied"] and not again["applied"], err
