@@ -109,18 +109,22 @@ def _work_and_wait(batch: _Batch[T, R], slots: list[_Share]) -> None:
 
 
 def _wait_all(slots: list[_Share]) -> None:
-    """Until every share a thread claimed has ended; a share no thread claimed yet is claimed
-    here, so a thread that begins late finds it taken and ends at once. Signals are blocked
-    meanwhile (one that arrives is delivered once they are unblocked); another thread of the
-    process that does not block signals still runs this thread's handlers, so what they raise
-    propagates to the caller, which waits again. It polls each share's own event, as an
-    interrupted Thread.join marks a running thread ended (CPython 3.11)."""
+    """Until every share a thread claimed has ended, and every thread known to have started has
+    returned; a share no thread claimed yet is claimed here, so a thread that begins late finds
+    it taken and ends at once. Signals are blocked meanwhile (one that arrives is delivered once
+    they are unblocked); another thread of the process that does not block signals still runs
+    this thread's handlers, so what they raise propagates to the caller, which waits again. It
+    polls each share's own event, as an interrupted Thread.join marks a running thread ended
+    (CPython 3.11); the join after it only lets a thread that has set it finish returning."""
     with signals_blocked():
         for slot in slots:
-            if slot.claim(CALLER) or slot.owner == CALLER:
-                continue
+            slot.claim(CALLER)
+            if slot.owner == CALLER and slot.thread is None:
+                continue  # no thread, or one whose start was cut short: it cannot have worked
             while not slot.finished.is_set():
                 time.sleep(WAIT_POLL_S)
+            if slot.thread is not None:
+                slot.thread.join(timeout=1.0)
 
 
 WAIT_POLL_S = 0.002
@@ -209,7 +213,8 @@ class _Share:
     def __init__(self, indices: list[int]) -> None:
         self.indices = indices
         self.owner: str | None = None
-        self.finished = threading.Event()  # set by its thread once it has worked the share
+        self.finished = threading.Event()  # set by its thread as its last act
+        self.thread: threading.Thread | None = None  # set once its Thread.start has returned
 
     def claim(self, who: str) -> bool:
         with self._claims:
@@ -221,10 +226,9 @@ class _Share:
 
 def _work_share(batch: _Batch[T, R], slot: _Share) -> None:
     """A share's thread: signals blocked (inherited), so no handler ever raises here."""
-    if not slot.claim(WORKER):  # the calling thread took it, or the batch is over
-        return
     try:
-        batch.run(slot.indices)
+        if slot.claim(WORKER):  # else the calling thread took it, or the batch is over
+            batch.run(slot.indices)
     finally:
         slot.finished.set()
 
@@ -232,5 +236,8 @@ def _work_share(batch: _Batch[T, R], slot: _Share) -> None:
 def _start(batch: _Batch[T, R], slot: _Share) -> None:
     thread = threading.Thread(target=_work_share, args=(batch, slot), daemon=True,
                               name="m3patch-share")
-    with contextlib.suppress(RuntimeError):  # "can't start new thread": a pids limit; the
-        thread.start()                       # calling thread claims and works that share
+    try:
+        thread.start()
+    except RuntimeError:  # "can't start new thread": a pids limit; the calling thread claims
+        return            # and works that share
+    slot.thread = thread
