@@ -242,29 +242,43 @@ class Interrupted(M3PatchError):
 _pending_interrupts: list[Interrupted] = []
 _deferring: set[object] = set()  # split batches running (folder_shares): their threads end first
 _deferred: list[BaseException] = []
+_stopping: list[BaseException] = []  # the stop this command raised: later ones are only kept
 
 
 def interrupt(error: Interrupted) -> None:
-    """Raise `error` for a stop signal, and keep it: a broad `except M3PatchError` around a
-    best-effort step (a memo read) may swallow the raise, and `raise_if_interrupted` in every
-    wait raises it again, so a stop request is never lost in a wait that would not end."""
+    """A stop signal's Interrupted, kept and raised (see `stop`): a broad `except M3PatchError`
+    around a best-effort step (a memo read) may swallow the raise, and `raise_if_interrupted` in
+    every wait raises it again, so a stop request is never lost in a wait that would not end."""
     _pending_interrupts.append(error)
     stop(error)
 
 
 def stop(error: BaseException) -> None:
-    """A stop signal handler's last act: raise `error`; or, while a batch is split over threads,
-    keep it and return, the batch raising it once every thread has ended. A handler that raised
-    there could be met again at once by the next pending signal's, inside the batch's own
-    cleanup (CPython runs each pending handler at the next check), and escape it mid-write."""
+    """A stop signal handler's last act. The first stop of a command is raised; while a batch is
+    split over threads it is kept instead, and the batch raises it once every thread has ended.
+    A later one only returns: CPython runs each pending handler at its next check, so a second
+    signal's raise would land inside the first one's unwinding (the error report, a batch's
+    stop handling, a server's stop) and break it; the first stop already ends the command."""
     if _deferring:
         _deferred.append(error)
         return
+    if _stopping:
+        return
+    _stopping.append(error)
+    raise error
+
+
+def raise_kept(error: BaseException) -> None:
+    """Raise a stop a split batch kept: the command's first stop from here on."""
+    if not _stopping:
+        _stopping.append(error)
     raise error
 
 
 def on_sigint(signum: int, frame: object) -> None:
-    """SIGINT as Python's own handler (KeyboardInterrupt), kept instead while a batch is split."""
+    """SIGINT as Python's own handler (KeyboardInterrupt), under `stop`'s rules; kept as an
+    Interrupted too, so a best-effort step that swallows the raise does not lose it."""
+    _pending_interrupts.append(Interrupted("interrupted (SIGINT)", hint="re-run the same command"))
     stop(KeyboardInterrupt())
 
 
@@ -278,19 +292,21 @@ def defer_stops(batch: object) -> None:
 
 
 def end_deferring(batch: object) -> BaseException | None:
-    """The first stop kept while batches were split, once the last of them has ended (safe to
-    call for a batch that never began deferring)."""
+    """The first stop kept while batches were split (an inner batch raises it too, so that the
+    outer one ends); forgotten once the last batch has ended. Safe for a batch that never began
+    deferring."""
     _deferring.discard(batch)
-    if _deferring or not _deferred:
+    if not _deferred:
         return None
     first = _deferred[0]
-    _deferred.clear()
+    if not _deferring:
+        _deferred.clear()
     return first
 
 
 def raise_if_interrupted() -> None:
     if _pending_interrupts:
-        raise _pending_interrupts[-1]
+        raise _pending_interrupts[0]  # the first stop, as `stop` raises it
 
 
 def forget_interrupts() -> None:
@@ -298,6 +314,7 @@ def forget_interrupts() -> None:
     and callers that run `main` more than once)."""
     _pending_interrupts.clear()
     _deferred.clear()
+    _stopping.clear()
 
 
 INTERNAL_ERROR_EXIT = 70

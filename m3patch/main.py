@@ -12,7 +12,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 from m3patch import __version__
@@ -85,17 +85,25 @@ class _JsonUsageParser(argparse.ArgumentParser):
         raise UsageError(msg, hint=f"{self.prog} --help")
 
 
-def _own_sigint() -> None:
-    """Ctrl-C raises KeyboardInterrupt as before, but waits while a batch is split over threads
-    (errors.stop); a SIGINT that is ignored (a background job, nohup) stays ignored."""
+def _own_sigint() -> Callable[[], None]:
+    """Ctrl-C raises KeyboardInterrupt as before, under errors.stop's rules (kept while a batch
+    is split over threads; a second one during the first's unwinding only returns); a SIGINT
+    that is ignored (a background job, nohup) stays ignored. Returns what puts Python's back."""
     import signal
     import threading
 
     from m3patch.errors import on_sigint
 
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, on_sigint)
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None
+    signal.signal(signal.SIGINT, on_sigint)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGINT) is on_sigint:  # not one the command set since
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,9 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return OUTPUT_FAILED_EXIT
         return 0
-    # deferred: after the --version fast path (dataclasses, traceback)
-    from m3patch.errors_handler import handle_errors
-
     global_args, name, rest = _split(args)
     top = _top_parser()
     ns = top.parse_args(global_args)
@@ -120,10 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
         return 2
-    with handle_errors(debug=ns.debug_traceback) as outcome:
-        from m3patch.patching import memo
+    restore_sigint = _own_sigint()
+    try:
+        return _run(name, rest, ns.debug_traceback)
+    finally:
+        if argv is not None:  # a program calling main(argv) gets Python's handler back; the
+            restore_sigint()  # command line keeps m3patch's until exit (a late Ctrl-C is quiet)
 
-        _own_sigint()
+
+def _run(name: str, rest: list[str], debug: bool) -> int:
+    from m3patch.errors_handler import handle_errors  # after the --version fast path
+
+    with handle_errors(debug=debug) as outcome:
+        from m3patch.patching import memo
 
         memo.start_command(COMMANDS[name].read_only)
         module = importlib.import_module(COMMANDS[name].module)

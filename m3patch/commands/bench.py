@@ -22,7 +22,7 @@ from m3patch.bench.changelog_entry import changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.bench.results import write_result
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
-from m3patch.errors import Interrupted, ResultsInvalid, UsageError, stop
+from m3patch.errors import Interrupted, ResultsInvalid, UsageError, interrupt
 from m3patch.eval import compare as eval_compare
 from m3patch.output import info, stdout_console, table
 from m3patch.patching import report_json
@@ -116,7 +116,7 @@ def run_spec(recipe: Path, args: argparse.Namespace) -> RunSpec:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     msg = f"received signal {signal.Signals(signum).name}; the sweep and its server were stopped"
-    stop(Interrupted(msg, hint="re-run with --resume to keep the finished cells"))
+    interrupt(Interrupted(msg, hint="re-run with --resume to keep the finished cells"))
 
 
 def _scores(sides: tuple[tuple[Path, dict[str, Any]], ...]

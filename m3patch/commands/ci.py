@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from m3patch.errors import Interrupted, M3PatchError, TreeIOError, stop
+from m3patch.errors import Interrupted, M3PatchError, TreeIOError, interrupt
 from m3patch.fsio import write_json_atomic
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def _print_step(result: StepResult) -> None:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     msg = f"received signal {signal.Signals(signum).name}; the job and its server were stopped"
-    stop(Interrupted(msg, hint="re-run with --resume to keep the finished cells"))
+    interrupt(Interrupted(msg, hint="re-run with --resume to keep the finished cells"))
 
 
 class _Tee(io.TextIOBase):

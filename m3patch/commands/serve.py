@@ -26,7 +26,7 @@ from m3patch.cluster.node_plan import require_node, require_topology
 from m3patch.cluster.slurm import sbatch_script
 from m3patch.commands.flags import add_python_flag
 from m3patch.commands.recipe import show_plan
-from m3patch.errors import Interrupted, UsageError, raise_if_interrupted, stop
+from m3patch.errors import Interrupted, UsageError, interrupt, raise_if_interrupted
 from m3patch.fsio import write_bytes_atomic
 from m3patch.output import info
 from m3patch.patching import report_json
@@ -83,7 +83,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     # the stop ladder this one starts; a SIGKILL still ends a stop that hangs.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     msg = f"received signal {signal.Signals(signum).name}; the server was stopped"
-    stop(Interrupted(msg, hint="re-run the same `m3patch serve` command"))
+    interrupt(Interrupted(msg, hint="re-run the same `m3patch serve` command"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from m3patch.errors import Interrupted, defer_stops, end_deferring, stop_requested
+from m3patch.errors import (
+    Interrupted,
+    defer_stops,
+    end_deferring,
+    raise_kept,
+    stop_requested,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -69,11 +75,11 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
     parts = shares(keys, count) if count > 1 else []
     if len(parts) <= 1:  # a small batch, or one folder: no split to make
         return [work(item) for item in items]
-    batch = _Batch(work, items)
+    main = threading.current_thread() is threading.main_thread()  # where handlers run
+    batch = _Batch(work, items, watch_stops=main)
     # Every share is recorded before any thread exists, so a handler that raises anywhere below
     # (even inside Thread.start) cannot lose a thread: each share is worked by whoever claims it.
     slots = [_Share(part) for part in parts]
-    main = threading.current_thread() is threading.main_thread()  # where handlers run
     mask = _current_mask()
     try:
         if main:  # m3patch's handlers keep a stop and return until every share has ended
@@ -83,7 +89,7 @@ def run_shares(work: Callable[[T], R], items: Sequence[T], keys: Sequence[str]) 
         first_stop = end_deferring(batch) if main else None
         _restore_mask(mask)  # a foreign handler raising inside signals_blocked skipped its exit
     if first_stop is not None:
-        raise first_stop
+        raise_kept(first_stop)
     return batch.outcome()
 
 
@@ -172,8 +178,9 @@ class _Batch(Generic[T, R]):
     """One run_shares call: the results, and the lowest failed item so far (none past it is
     started; every one before it still is, so the lowest failure is always found)."""
 
-    def __init__(self, work: Callable[[T], R], items: Sequence[T]) -> None:
+    def __init__(self, work: Callable[[T], R], items: Sequence[T], *, watch_stops: bool) -> None:
         self.work, self.items = work, items
+        self.watch_stops = watch_stops  # a batch of the main thread, which keeps stops for it
         self.results: list[R | None] = [None] * len(items)
         self.lock = threading.Lock()
         self.limit = len(items)
@@ -186,7 +193,7 @@ class _Batch(Generic[T, R]):
 
     def run(self, share: list[int]) -> None:
         for index in share:
-            if index >= self.limit or stop_requested():
+            if index >= self.limit or (self.watch_stops and stop_requested()):
                 return
             try:
                 self.results[index] = self.work(self.items[index])

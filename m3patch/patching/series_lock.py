@@ -283,5 +283,22 @@ def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
         if digest(data) != pin.sha256:  # the memo's key must name exactly these bytes
             msg = f"{series.directory / entry.file}: changed since series.lock.json was generated"
             raise UsageError(msg, hint=relock_hint(series.directory))
-        out.append((parsed(data, str(series.directory / entry.file), pin.sha256), pin))
+        name = str(series.directory / entry.file)
+        patch = parsed(data, name, pin.sha256)
+        if _shape(patch) != _pinned_shape(pin):  # a memo that lies: the bytes decide
+            patch = parse_patch(data, name)
+            if _shape(patch) != _pinned_shape(pin):
+                msg = f"{name}: its files differ from what series.lock.json pins for {entry.id}"
+                raise UsageError(msg, hint=relock_hint(series.directory))
+        out.append((patch, pin))
     return tuple(out)
+
+
+def _shape(patch: PatchFile) -> set[tuple[str, str]]:
+    return {(f.path, f.kind) for f in patch.files}
+
+
+def _pinned_shape(pin: PatchPin) -> set[tuple[str, str]]:
+    """The files a lock pins for a patch, each with the kind its hashes imply."""
+    return {(f.path, "add" if f.pre is None else "delete" if f.post is None else "modify")
+            for f in pin.files}

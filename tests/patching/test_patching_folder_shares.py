@@ -455,3 +455,39 @@ def test_several_stop_signals_with_m3patchs_own_handlers_wait_for_every_share(
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
     if calling == "working":  # the calling thread's share stopped after its current item
         assert len([t for t in began if t < at]) < 128 + 1 + 10
+
+
+def test_a_stop_in_a_nested_batch_never_returns_missing_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches inside a batch's items, on the calling thread and on the other share's thread,
+    with a Ctrl-C (m3patch's handler) during them. Before: an inner batch skipped its items
+    once a stop was kept and returned their results as None, a success. Now an inner batch of
+    the calling thread raises the kept stop; one on another thread (which never keeps stops)
+    works every item; the outer batch raises the stop once all have ended."""
+    from m3patch import errors
+
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2 if items >= 128 else 1)
+    returned: list[list[int | None]] = []
+    sent = threading.Event()
+
+    def inner(item: int) -> int:
+        if not sent.is_set():
+            sent.set()
+            threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        time.sleep(0.002)
+        return item
+
+    def outer(item: int) -> int:
+        result = folder_shares.run_shares(inner, list(range(200)),
+                                          ["x"] * 100 + ["y"] * 100)
+        returned.append(list(result))
+        return item
+
+    previous = signal.signal(signal.SIGINT, errors.on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            folder_shares.run_shares(outer, list(range(128)), ["a"] * 64 + ["b"] * 64)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        errors.forget_interrupts()
+    assert returned and all(result == list(range(200)) for result in returned)

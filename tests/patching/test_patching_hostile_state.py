@@ -391,6 +391,63 @@ def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
     assert json.loads(out)["error"]["type"] == "Interrupted"
 
 
+@pytest.mark.parametrize("sent", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGQUIT"),
+                                  ("SIGHUP", "SIGINT", "SIGTERM")])
+def test_several_stop_signals_during_the_lock_wait_end_with_130_and_one_json_object(
+        vllm_tree: Path, test_series: Path, sent: tuple[str, ...]) -> None:
+    """Before: two or three stop signals at once (a terminal's Ctrl-C with a CI runner's
+    SIGTERM) ended in a traceback, exit 1 or killed by SIGINT, and no JSON: CPython runs each
+    pending handler at its next check, and the second raised inside the error report of the
+    first. Now the first stop is the command's; a later one is kept, not raised."""
+    from m3patch.patching import writer
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+
+    def as_a_terminal_leaves_it() -> None:
+        for name in sent:  # not ignored, as a foreground job's are not
+            signal.signal(getattr(signal, name), signal.SIG_DFL if name != "SIGINT"
+                          else signal.default_int_handler)
+
+    with writer.tree_lock(vllm_tree):
+        proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
+                                 str(vllm_tree), "--series", str(test_series)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=as_a_terminal_leaves_it)
+        time.sleep(3)  # past start-up, into the lock wait
+        for name in sent:
+            proc.send_signal(getattr(signal, name))
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == errors.Interrupted.exit_code, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert json.loads(out)["error"]["type"] in ("Interrupted", "KeyboardInterrupt")
+
+
+def test_a_swallowed_sigterm_of_serve_is_kept_for_the_next_wait() -> None:
+    """Before: serve's (and bench's, ci's) SIGTERM handler raised without keeping the stop, so a
+    best-effort step that swallowed it lost it, and as serve ignores a second SIGTERM the server
+    then ran until SIGKILL. Now the stop is kept and the next wait raises it."""
+    from m3patch.commands import bench, ci, serve
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for handler in (serve._on_sigterm, bench._on_sigterm, ci._on_sigterm):
+            errors.forget_interrupts()
+            with contextlib.suppress(errors.M3PatchError):  # a memo read's best-effort catch
+                handler(signal.SIGTERM, None)
+            with pytest.raises(errors.Interrupted, match="SIGTERM"):
+                errors.raise_if_interrupted()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        errors.forget_interrupts()
+
+
+def test_an_in_process_main_gives_sigint_back() -> None:
+    """A program (or test) calling main(argv) keeps Python's own SIGINT handler afterwards."""
+    before = signal.getsignal(signal.SIGINT)
+    assert main(["series", "list"]) == 0
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 # ------------------------------------------------------------- a non-ASCII file name, ASCII locale
 
 ASCII_LOCALE = {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
@@ -465,9 +522,14 @@ def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
     assert main(["apply", *where]) == 0  # fills the parse memo the next apply reads
     assert main(["revert", *where]) == 0
 
+    delivered: list[bool] = []
+
     def read_and_get_stopped(*args: object, **kwargs: object) -> object:
-        common._on_sigterm(signal.SIGQUIT, None)
-        raise AssertionError  # unreachable: the handler raises
+        if not delivered:  # one signal, in the first read
+            delivered.append(True)
+            common._on_sigterm(signal.SIGQUIT, None)
+            raise AssertionError  # unreachable: the command's first stop is raised
+        raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
 
     monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
     monkeypatch.setattr(errors, "_pending_interrupts", [], raising=False)
@@ -505,9 +567,14 @@ def test_a_stop_a_memo_read_swallowed_writes_nothing_and_exits_130(
     assert main(["revert", *where]) == 0
     before = _tree_bytes(vllm_tree)
 
+    delivered: list[bool] = []
+
     def read_and_get_stopped(*args: object, **kwargs: object) -> object:
-        common._on_sigterm(signal.SIGTERM, None)
-        raise AssertionError  # unreachable: the handler raises
+        if not delivered:  # one signal, in the first read
+            delivered.append(True)
+            common._on_sigterm(signal.SIGTERM, None)
+            raise AssertionError  # unreachable: the command's first stop is raised
+        raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
 
     monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
     code, out, err = cli("apply", *where, *(["--json"] if json_out else []))

@@ -184,3 +184,34 @@ def test_a_parse_memo_with_text_that_is_no_bytes_is_parsed_again(
     assert _files(root) == cold
     revert_series(tree_at(root), series)
     assert _files(root) == _files(pristine_033)
+
+
+@pytest.mark.parametrize("lie", ["path", "kind"])
+def test_a_parse_memo_that_names_other_files_is_parsed_again(
+        lie: str, cache: Path, pristine_033: Path, tmp_path: Path) -> None:
+    """Before (found by the extended state fuzz): a memo entry naming another pinned file (or
+    calling a changed file new) was taken as the patch, and verify of a tree with a file off its
+    pin ended in exit 70 (KeyError): the files it classified were not the lock's. Now an entry
+    whose files differ from what the lock pins for that patch is parsed again from the bytes."""
+    from m3patch.patching.api import verify_tree
+
+    series_dir = REPO / "patches" / "vllm-0.33.0"
+    cold = _files(_apply(pristine_033, tmp_path / "cold", series_dir))
+    series = load_series(series_dir)
+    pinned = sorted({f.path for p in series.require_lock().patches for f in p.files})
+    for entry in (cache / "parsed").glob("*.json"):
+        body = json.loads(entry.read_text())
+        first = body["files"][0]
+        if lie == "path":
+            first[0] = next(p for p in pinned if p not in {f[0] for f in body["files"]})
+        else:
+            first[1] = "add" if first[1] != "add" else "modify"
+        entry.write_text(json.dumps(body))
+    _pack(series_dir).unlink()
+    root = copy_tree(pristine_033, tmp_path / "warm")
+    apply_series(tree_at(root), series)
+    assert _files(root) == cold
+    changed = root / sorted(cold.keys() - _files(pristine_033).keys() or cold.keys())[0]
+    changed.write_bytes(changed.read_bytes() + b"\n# edited\n")
+    report = verify_tree(tree_at(root), series)
+    assert not report.ok and any(str(changed.relative_to(root)) in p for p in report.problems)
