@@ -46,6 +46,8 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 
 from __future__ import annotations
 
+import time
+
 
 class M3PatchError(Exception):
     """Root of every expected failure; carries its own exit code."""
@@ -242,7 +244,8 @@ class Interrupted(M3PatchError):
 _pending_interrupts: list[Interrupted] = []
 _deferring: set[object] = set()  # split batches running (folder_shares): their threads end first
 _deferred: list[BaseException] = []
-_stopping: list[BaseException] = []  # the stop this command raised: later ones are only kept
+_stopping: list[float] = []  # when this command last raised a stop (time.monotonic)
+STOP_BURST_S = 0.5  # stops this close to a raised one arrived with it (pending at once)
 
 
 def interrupt(error: Interrupted) -> None:
@@ -254,24 +257,26 @@ def interrupt(error: Interrupted) -> None:
 
 
 def stop(error: BaseException) -> None:
-    """A stop signal handler's last act. The first stop of a command is raised; while a batch is
-    split over threads it is kept instead, and the batch raises it once every thread has ended.
-    A later one only returns: CPython runs each pending handler at its next check, so a second
-    signal's raise would land inside the first one's unwinding (the error report, a batch's
-    stop handling, a server's stop) and break it; the first stop already ends the command."""
+    """A stop signal handler's last act: raise `error`; while a batch is split over threads,
+    keep it instead (the batch raises it once every thread has ended). A stop within
+    STOP_BURST_S of one raised is only kept: signals sent together (a terminal's Ctrl-C and a
+    runner's SIGTERM) are all pending at once, and CPython runs each handler at its next check,
+    so the second would raise inside the first one's unwinding (its error report, a batch's
+    stop handling). A later one (a user's second Ctrl-C, after the first was swallowed or is
+    stuck in a library's cleanup) raises again."""
     if _deferring:
         _deferred.append(error)
         return
-    if _stopping:
+    now = time.monotonic()
+    if _stopping and now - _stopping[-1] < STOP_BURST_S:
         return
-    _stopping.append(error)
+    _stopping[:] = [now]
     raise error
 
 
 def raise_kept(error: BaseException) -> None:
-    """Raise a stop a split batch kept: the command's first stop from here on."""
-    if not _stopping:
-        _stopping.append(error)
+    """Raise a stop a split batch kept, as `stop` raises one."""
+    _stopping[:] = [time.monotonic()]
     raise error
 
 

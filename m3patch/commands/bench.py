@@ -22,7 +22,13 @@ from m3patch.bench.changelog_entry import changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.bench.results import write_result
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
-from m3patch.errors import Interrupted, ResultsInvalid, UsageError, interrupt
+from m3patch.errors import (
+    Interrupted,
+    ResultsInvalid,
+    UsageError,
+    interrupt,
+    raise_if_interrupted,
+)
 from m3patch.eval import compare as eval_compare
 from m3patch.output import info, stdout_console, table
 from m3patch.patching import report_json
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     spec = run_spec(recipe_path(args.what[0]), args)
     with RunPipeline(spec) as pipeline:
         outcome = run_steps(pipeline.steps(), lambda _result: None)
+    if outcome.exit_code == 0:  # a stop a best-effort step swallowed: no result says "ok"
+        raise_if_interrupted()
     report_run(fields, pipeline, outcome, spec.recipe_path)
     if json_file(args) is not None:
         report = {**fields, "exit_code": outcome.exit_code, "ok": outcome.exit_code == 0}

@@ -24,7 +24,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from m3patch.errors import Interrupted, M3PatchError, TreeIOError, interrupt
+from m3patch.errors import (
+    Interrupted,
+    M3PatchError,
+    TreeIOError,
+    interrupt,
+    raise_if_interrupted,
+)
 from m3patch.fsio import write_json_atomic
 
 if TYPE_CHECKING:
@@ -67,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
                            python=pipeline.plan.python if pipeline.plan is not None else None,
                            ledger_sha256=pipeline.ledger_sha256,
                            steps=[r.to_json() for r in outcome.results])
+    if outcome.exit_code == 0:  # a stop a best-effort step swallowed: no summary says "passed"
+        raise_if_interrupted()
     if run_dir is not None:  # no run folder is known before the recipe names one
         write_summary(args.recipe, run_dir, outcome.results, outcome.exit_code, fields,
                       warnings=pipeline.warnings)

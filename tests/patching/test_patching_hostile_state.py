@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -438,6 +439,33 @@ def test_a_swallowed_sigterm_of_serve_is_kept_for_the_next_wait() -> None:
                 errors.raise_if_interrupted()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        errors.forget_interrupts()
+
+
+def test_a_later_ctrl_c_still_stops_after_a_stop_was_swallowed() -> None:
+    """Stops sent together are one stop (the second is only kept); a later one is the user
+    asking again. Found by a hostile review of the first version of that rule: once a stop had
+    been raised, every later Ctrl-C and SIGTERM only returned, so a stop a best-effort step
+    swallowed (or a first Ctrl-C stuck in a library's thread-pool join) left a wait with no way
+    out. Here the first is swallowed; a Ctrl-C past the burst window ends the wait."""
+    previous = signal.signal(signal.SIGINT, errors.on_sigint)
+    errors.forget_interrupts()
+    try:
+        with contextlib.suppress(errors.M3PatchError):  # a best-effort step's catch
+            errors.interrupt(errors.Interrupted("received signal SIGTERM", hint="none"))
+        with pytest.raises(errors.Interrupted):  # a signal with it, kept: the wait raises it
+            errors.stop(errors.Interrupted("received signal SIGHUP", hint="none"))
+            errors.raise_if_interrupted()
+        time.sleep(errors.STOP_BURST_S + 0.1)
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # a wait that never asks for kept stops
+                time.sleep(0.01)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
         errors.forget_interrupts()
 
 
