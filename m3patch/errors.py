@@ -264,11 +264,11 @@ def stop(error: BaseException) -> None:
     so the second would raise inside the first one's unwinding (its error report, a batch's
     stop handling). A later one (a user's second Ctrl-C, after the first was swallowed or is
     stuck in a library's cleanup) raises again."""
-    if _deferring:
-        _deferred.append(error)
-        return
     now = time.monotonic()
     if _stopping and now - _stopping[-1] < STOP_BURST_S:
+        return  # even inside a batch: it must not be raised again in the first one's unwinding
+    if _deferring:
+        _deferred.append(error)
         return
     _stopping[:] = [now]
     raise error
@@ -306,6 +306,7 @@ def end_deferring(batch: object) -> BaseException | None:
     first = _deferred[0]
     if not _deferring:
         _deferred.clear()
+        _stopping[:] = [time.monotonic()]  # raised now: a stop right behind it is part of it
     return first
 
 

@@ -491,3 +491,43 @@ def test_a_stop_in_a_nested_batch_never_returns_missing_results(
         signal.signal(signal.SIGINT, previous)
         errors.forget_interrupts()
     assert returned and all(result == list(range(200)) for result in returned)
+
+
+@pytest.mark.parametrize("when", ["batch in the first stop's cleanup", "just after the batch"])
+def test_a_stop_that_came_with_a_raised_one_is_not_raised_again(
+        when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stops that arrive together are one stop. Found by a hostile review: a second signal kept
+    by a batch that ran in the first stop's cleanup was raised there, inside its unwinding; and
+    one handled just after a batch raised its kept stop replaced that stop."""
+    from m3patch import errors
+
+    monkeypatch.setattr(folder_shares, "thread_count", lambda items: 2)
+    first = errors.Interrupted("received signal SIGTERM", hint="none")
+    second = errors.Interrupted("received signal SIGHUP", hint="none")
+    errors.forget_interrupts()
+    try:
+        if when == "batch in the first stop's cleanup":
+            cleaned: list[bool] = []
+            with pytest.raises(errors.Interrupted) as raised:
+                try:
+                    errors.interrupt(first)
+                finally:
+                    folder_shares.run_shares(
+                        lambda i: errors.interrupt(second) if i == 200 else None,
+                        list(range(256)), ["a"] * 128 + ["b"] * 128)
+                    cleaned.append(True)
+            assert raised.value is first and cleaned == [True]
+        else:
+            real_restore = folder_shares._restore_mask
+
+            def restore_then_a_signal(mask: object) -> None:
+                real_restore(mask)  # type: ignore[arg-type]
+                errors.interrupt(second)
+
+            monkeypatch.setattr(folder_shares, "_restore_mask", restore_then_a_signal)
+            with pytest.raises(errors.Interrupted) as raised:
+                folder_shares.run_shares(lambda i: errors.interrupt(first) if i == 5 else None,
+                                         list(range(256)), ["a"] * 128 + ["b"] * 128)
+            assert raised.value is first
+    finally:
+        errors.forget_interrupts()
