@@ -366,11 +366,9 @@ def test_a_command_line_error_under_json_prints_the_json_object(m3patch_cli: Cli
     assert report["error"]["type"] == "UsageError" and "--no-such-flag" in report["error"]["message"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
-def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
-        vllm_tree: Path, test_series: Path, sig: signal.Signals) -> None:
-    """Before: SIGHUP or SIGQUIT while waiting for the tree lock ended with no JSON and no
-    documented code (the signal's default: killed, or a core dump)."""
+def _apply_json_signalled_in_the_lock_wait(vllm_tree: Path, test_series: Path,
+                                           sent: tuple[str, ...]) -> tuple[int, str, str]:
+    """`apply --json` as a child, the tree lock held, then the signals `sent` at once."""
     from m3patch.patching import writer
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
@@ -378,36 +376,8 @@ def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
     def as_a_terminal_leaves_it() -> None:
         # a shell starts a background job with SIGQUIT (and SIGINT) ignored and nohup ignores
         # SIGHUP; exec passes that on and m3patch keeps an ignored signal ignored, by design
-        signal.signal(sig, signal.SIG_DFL)
-
-    with writer.tree_lock(vllm_tree):
-        proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
-                                 str(vllm_tree), "--series", str(test_series)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                preexec_fn=as_a_terminal_leaves_it)
-        time.sleep(3)  # past start-up, into the lock wait
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == errors.Interrupted.exit_code, err
-    assert json.loads(out)["error"]["type"] == "Interrupted"
-
-
-@pytest.mark.parametrize("sent", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGQUIT"),
-                                  ("SIGHUP", "SIGINT", "SIGTERM")])
-def test_several_stop_signals_during_the_lock_wait_end_with_130_and_one_json_object(
-        vllm_tree: Path, test_series: Path, sent: tuple[str, ...]) -> None:
-    """Before: two or three stop signals at once (a terminal's Ctrl-C with a CI runner's
-    SIGTERM) ended in a traceback, exit 1 or killed by SIGINT, and no JSON: CPython runs each
-    pending handler at its next check, and the second raised inside the error report of the
-    first. Now the first stop is the command's; a later one is kept, not raised."""
-    from m3patch.patching import writer
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
-
-    def as_a_terminal_leaves_it() -> None:
-        for name in sent:  # not ignored, as a foreground job's are not
-            signal.signal(getattr(signal, name), signal.SIG_DFL if name != "SIGINT"
-                          else signal.default_int_handler)
+        for name in sent:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
 
     with writer.tree_lock(vllm_tree):
         proc = subprocess.Popen([sys.executable, "-m", "m3patch", "apply", "--json", "--vllm-root",
@@ -418,7 +388,29 @@ def test_several_stop_signals_during_the_lock_wait_end_with_130_and_one_json_obj
         for name in sent:
             proc.send_signal(getattr(signal, name))
         out, err = proc.communicate(timeout=60)
-    assert proc.returncode == errors.Interrupted.exit_code, err
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
+def test_a_hangup_during_the_lock_wait_ends_with_130_and_the_json(
+        vllm_tree: Path, test_series: Path, sig: str) -> None:
+    """Before: SIGHUP or SIGQUIT while waiting for the tree lock ended with no JSON and no
+    documented code (the signal's default: killed, or a core dump)."""
+    code, out, err = _apply_json_signalled_in_the_lock_wait(vllm_tree, test_series, (sig,))
+    assert code == errors.Interrupted.exit_code, err
+    assert json.loads(out)["error"]["type"] == "Interrupted"
+
+
+@pytest.mark.parametrize("sent", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGQUIT"),
+                                  ("SIGHUP", "SIGINT", "SIGTERM")])
+def test_several_stop_signals_during_the_lock_wait_end_with_130_and_one_json_object(
+        vllm_tree: Path, test_series: Path, sent: tuple[str, ...]) -> None:
+    """Before: two or three stop signals at once (a terminal's Ctrl-C with a CI runner's
+    SIGTERM) ended in a traceback, exit 1 or killed by SIGINT, and no JSON: CPython runs each
+    pending handler at its next check, and the second raised inside the error report of the
+    first. Now stops that arrive together are one stop: the first is raised, the rest kept."""
+    code, out, err = _apply_json_signalled_in_the_lock_wait(vllm_tree, test_series, sent)
+    assert code == errors.Interrupted.exit_code, err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
     assert json.loads(out)["error"]["type"] in ("Interrupted", "KeyboardInterrupt")
 
@@ -530,6 +522,24 @@ def test_a_lone_surrogate_in_a_ledger_path_is_a_corrupt_ledger(vllm_tree: Path,
     assert "Traceback" not in err
 
 
+def _stopped_in_the_first_memo_read(monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
+    """The stop signal delivered in the parse memo's first read (by the command's handler, as
+    the kernel would, which a real server cannot time); later reads miss, as a bad memo does."""
+    from m3patch.commands import common
+    from m3patch.patching import parse_cache
+
+    delivered: list[bool] = []
+
+    def read_and_get_stopped(*args: object, **kwargs: object) -> object:
+        if not delivered:
+            delivered.append(True)
+            common._on_sigterm(sig, None)
+            raise AssertionError  # unreachable: the command's first stop is raised
+        raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
+
+    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+
+
 def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
         vllm_tree: Path, test_series: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,8 +551,7 @@ def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
     read itself (by its handler, as the kernel would), which a real server cannot time."""
     import fcntl
 
-    from m3patch.commands import common
-    from m3patch.patching import parse_cache, writer
+    from m3patch.patching import writer
 
     monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("M3PATCH_LOCK_TIMEOUT", "30")
@@ -550,16 +559,7 @@ def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(
     assert main(["apply", *where]) == 0  # fills the parse memo the next apply reads
     assert main(["revert", *where]) == 0
 
-    delivered: list[bool] = []
-
-    def read_and_get_stopped(*args: object, **kwargs: object) -> object:
-        if not delivered:  # one signal, in the first read
-            delivered.append(True)
-            common._on_sigterm(signal.SIGQUIT, None)
-            raise AssertionError  # unreachable: the command's first stop is raised
-        raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
-
-    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+    _stopped_in_the_first_memo_read(monkeypatch, signal.SIGQUIT)
     monkeypatch.setattr(errors, "_pending_interrupts", [], raising=False)
     lock = writer.safe_state_dir(vllm_tree, create=True) / "lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -586,25 +586,13 @@ def test_a_stop_a_memo_read_swallowed_writes_nothing_and_exits_130(
     runner's SIGTERM ignored. Now the writer raises the kept stop before its journal: nothing
     written, 130, and under --json the one object is Interrupted's. The signal is delivered in
     the memo read itself (by its handler, as the kernel would), which a real server cannot time."""
-    from m3patch.commands import common
-    from m3patch.patching import parse_cache
-
     monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
     where = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
     assert main(["apply", *where]) == 0  # fills the parse memo the next apply reads
     assert main(["revert", *where]) == 0
     before = _tree_bytes(vllm_tree)
 
-    delivered: list[bool] = []
-
-    def read_and_get_stopped(*args: object, **kwargs: object) -> object:
-        if not delivered:  # one signal, in the first read
-            delivered.append(True)
-            common._on_sigterm(signal.SIGTERM, None)
-            raise AssertionError  # unreachable: the command's first stop is raised
-        raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
-
-    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+    _stopped_in_the_first_memo_read(monkeypatch, signal.SIGTERM)
     code, out, err = cli("apply", *where, *(["--json"] if json_out else []))
     assert code == 130, err
     assert "received signal SIGTERM" in err
