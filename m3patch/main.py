@@ -125,9 +125,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
         return 2
-    from m3patch.errors import forget_interrupts
-
-    forget_interrupts()  # before m3patch's Ctrl-C handler: none of an earlier main(argv) counts
     restore_sigint = _own_sigint()
     try:
         return _run(name, rest, ns.debug_traceback)

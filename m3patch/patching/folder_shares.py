@@ -141,14 +141,16 @@ _NOT_BLOCKED = {getattr(signal, name) for name in (
 _BLOCKED = signal.valid_signals() - _NOT_BLOCKED
 
 
+_MASK = getattr(signal, "pthread_sigmask", None)  # None: not POSIX, no thread masks
+
+
 def _current_mask() -> set[signal.Signals] | None:
-    mask = getattr(signal, "pthread_sigmask", None)
-    return None if mask is None else mask(signal.SIG_BLOCK, [])
+    return None if _MASK is None else _MASK(signal.SIG_BLOCK, [])
 
 
 def _restore_mask(old: set[signal.Signals] | None) -> None:
-    if old is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    if _MASK is not None and old is not None:
+        _MASK(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager
@@ -156,15 +158,14 @@ def signals_blocked() -> Iterator[None]:
     """Asynchronous signals blocked in this thread (held by the kernel, not lost: delivered when
     unblocked, and their handlers run then); a thread started meanwhile keeps them blocked for
     its life, so a signal for the process goes to the calling thread."""
-    mask = getattr(signal, "pthread_sigmask", None)
-    if mask is None:  # not POSIX
+    if _MASK is None:
         yield
         return
-    old = mask(signal.SIG_BLOCK, _BLOCKED)
+    old = _MASK(signal.SIG_BLOCK, _BLOCKED)
     try:
         yield
     finally:
-        mask(signal.SIG_SETMASK, old)
+        _MASK(signal.SIG_SETMASK, old)
 
 
 STOPPED = -1  # the "item" a stop signal fails: every share ends after its current item
