@@ -384,11 +384,24 @@ def _apply_json_signalled_in_the_lock_wait(vllm_tree: Path, test_series: Path,
                                  str(vllm_tree), "--series", str(test_series)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 preexec_fn=as_a_terminal_leaves_it)
-        time.sleep(3)  # past start-up, into the lock wait
+        _wait_until_it_holds_open(proc.pid, writer.safe_state_dir(vllm_tree, create=True) / "lock")
         for name in sent:
             proc.send_signal(getattr(signal, name))
         out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err
+
+
+def _wait_until_it_holds_open(pid: int, path: Path) -> None:
+    """Until process `pid` has `path` open: past its start-up (its handlers are set) and in the
+    lock wait; a fixed sleep was too short on a loaded machine."""
+    target, deadline = os.path.realpath(path), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                return
+        time.sleep(0.05)
+    pytest.fail(f"process {pid} never opened {path}")
 
 
 @pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
