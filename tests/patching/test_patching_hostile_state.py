@@ -550,7 +550,7 @@ def _stopped_in_the_first_memo_read(monkeypatch: pytest.MonkeyPatch, sig: signal
             raise AssertionError  # unreachable: the command's first stop is raised
         raise errors.TreeIOError("memo unreadable", hint="none")  # a miss, as the read's catch
 
-    monkeypatch.setattr(parse_cache, "read_json", read_and_get_stopped)
+    monkeypatch.setattr(parse_cache, "read_state", read_and_get_stopped)
 
 
 def test_a_stop_signal_a_memo_read_swallowed_still_ends_the_lock_wait(

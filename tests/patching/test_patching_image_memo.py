@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from core_helpers import REPO
@@ -51,6 +52,24 @@ def _apply(pristine: Path, dest: Path, series_dir: Path) -> Path:
     root = copy_tree(pristine, dest)
     apply_series(tree_at(root), load_series(series_dir))
     return root
+
+
+def _rewrite_entries(cache: Path, *, head: Callable[[dict[str, Any]], None] | None = None,
+                     body: Callable[[list[Any]], None] | None = None) -> None:
+    """Every parse-memo entry edited in place: its header line, then its hunks."""
+    for entry in (cache / "parsed").glob("*.json"):
+        first, rest = entry.read_bytes().split(b"\n", 1)
+        parts: list[Any] = [json.loads(first), json.loads(rest)]
+        for edit, part in ((head, parts[0]), (body, parts[1])):
+            if edit is not None:
+                edit(part)
+        entry.write_bytes(b"".join(json.dumps(part).encode() + b"\n" for part in parts))
+
+
+def _shipped_patches() -> list[Path]:
+    patches = sorted((REPO / "patches").glob("*/*.patch"))
+    assert patches
+    return patches
 
 
 def _pack(series_dir: Path) -> Path:
@@ -145,19 +164,61 @@ def test_a_planted_link_for_the_images_folder_is_not_written_through(
 
 def test_hunks_from_the_parse_memo_equal_a_fresh_parse_of_every_shipped_patch(
         cache: Path) -> None:
-    patches = sorted((REPO / "patches").glob("*/*.patch"))
-    assert patches
-    for path in patches:
+    for path in _shipped_patches():
         data = path.read_bytes()
         fresh = parse_patch(data, str(path))
         parse_cache.parsed(data, str(path), digest(data))  # writes the memo
         stored = parse_cache.parsed(data, str(path), digest(data))
         for a, b in zip(stored.files, fresh.files, strict=True):
             assert isinstance(a.hunks, parse_cache.StoredHunks)
-            assert len(a.hunks) == len(b.hunks)  # before the hunks are made
+            assert len(a.hunks) == len(b.hunks)
             assert a == b and b == a
             assert list(a.hunks) == list(b.hunks) and a.hunks[0] == b.hunks[0]
             assert hash(a.hunks) == hash(tuple(b.hunks))
+
+
+def _add_a_hunk(files: list[Any]) -> None:
+    files[0].append(files[0][0])
+
+
+def _drop_the_hunks(files: list[Any]) -> None:
+    files[0].clear()
+
+
+def _cut_a_side(files: list[Any]) -> None:
+    files[0][0][4] = files[0][0][4][:-1]  # text of its own, checked only against the pins
+
+
+@pytest.mark.parametrize("forge", [_add_a_hunk, _drop_the_hunks, list.clear, list.pop])
+def test_parse_memo_hunks_that_are_not_what_the_header_counts_are_parsed_again(
+        forge: Callable[[list[Any]], None], cache: Path) -> None:
+    """The header line is read with every run, the hunks only when used: hunks that a torn or
+    forged entry holds (a file with more or fewer hunks, or files missing) are not taken; the
+    patch's own bytes are parsed again when they are first used."""
+    for path in _shipped_patches():
+        data = path.read_bytes()
+        parse_cache.parsed(data, str(path), digest(data))
+    _rewrite_entries(cache, body=forge)
+    for path in _shipped_patches():
+        data = path.read_bytes()
+        assert parse_cache.parsed(data, str(path), digest(data)) == parse_patch(data, str(path))
+
+
+def test_parse_memo_hunks_whose_text_is_forged_are_caught_by_the_pins(
+        cache: Path, pristine_033: Path, tmp_path: Path) -> None:
+    """Hunks that keep the header's counts and shape but not a parse's text reach the plan, whose
+    every result is checked against the lock's pin: the apply refuses (nothing written) rather
+    than write a tree off its pins."""
+    from m3patch.errors import PatchConflict
+
+    series_dir = REPO / "patches" / "vllm-0.33.0"
+    _apply(pristine_033, tmp_path / "cold", series_dir)
+    _rewrite_entries(cache, body=_cut_a_side)
+    _pack(series_dir).unlink()
+    root = copy_tree(pristine_033, tmp_path / "warm")
+    with pytest.raises(PatchConflict):
+        apply_series(tree_at(root), load_series(series_dir))
+    assert _files(root) == _files(pristine_033)
 
 
 def test_a_parse_memo_with_text_that_is_no_bytes_is_parsed_again(
@@ -165,20 +226,22 @@ def test_a_parse_memo_with_text_that_is_no_bytes_is_parsed_again(
     """Before: a memo entry whose hunk text held a lone surrogate outside surrogateescape's range
     (a forged memo: no parse stores one) was accepted, and the first use of its hunks ended in
     exit 70 (UnicodeEncodeError), a revert after a warm apply that never read the hunks. Now the
-    entry is refused when read, the patch is parsed again, and apply and revert give the trees
-    of a cold run."""
+    entry's hunks are refused when first used, the patch is parsed again, and apply and revert
+    give the trees of a cold run."""
     series_dir = REPO / "patches" / "vllm-0.33.0"
     cold = _files(_apply(pristine_033, tmp_path / "cold", series_dir))
-    for entry in (cache / "parsed").glob("*.json"):
-        body = json.loads(entry.read_text())
-        for file in body["files"]:
-            for hunk in file[3]:
+
+    def forge(files: list[Any]) -> None:
+        for file in files:
+            for hunk in file:
                 hunk[4] += "\ud800\n"
-        entry.write_text(json.dumps(body))
+
+    _rewrite_entries(cache, body=forge)
     image_memo._path(image_memo.pack_key(load_series(series_dir).require_lock())).unlink()
     series = load_series(series_dir)
-    assert all(parse_cache._from_json(json.loads(e.read_text()), "p", e.stem) is None
-               for e in (cache / "parsed").glob("*.json"))
+    for entry in series.patches:
+        data = (series_dir / entry.file).read_bytes()
+        assert parse_cache.parsed(data, "p", digest(data)) == parse_patch(data, "p")
     root = copy_tree(pristine_033, tmp_path / "warm")
     apply_series(tree_at(root), series)
     assert _files(root) == cold
@@ -199,14 +262,15 @@ def test_a_parse_memo_that_names_other_files_is_parsed_again(
     cold = _files(_apply(pristine_033, tmp_path / "cold", series_dir))
     series = load_series(series_dir)
     pinned = sorted({f.path for p in series.require_lock().patches for f in p.files})
-    for entry in (cache / "parsed").glob("*.json"):
-        body = json.loads(entry.read_text())
-        first = body["files"][0]
+
+    def forge(head: dict[str, Any]) -> None:
+        first = head["files"][0]
         if lie == "path":
-            first[0] = next(p for p in pinned if p not in {f[0] for f in body["files"]})
+            first[0] = next(p for p in pinned if p not in {f[0] for f in head["files"]})
         else:
             first[1] = "add" if first[1] != "add" else "modify"
-        entry.write_text(json.dumps(body))
+
+    _rewrite_entries(cache, head=forge)
     _pack(series_dir).unlink()
     root = copy_tree(pristine_033, tmp_path / "warm")
     apply_series(tree_at(root), series)

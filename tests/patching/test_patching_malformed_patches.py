@@ -68,13 +68,17 @@ def test_a_parse_memo_from_another_parser_is_parsed_afresh(
     sha = digest(data)
     right = parse_cache.parsed(data, "p", sha)  # fills the memo
     entry = parse_cache._path(sha)
-    body = json.loads(entry.read_text())
-    body["files"][0][3][0][5] += "\n"  # a new side with the blank line
-    body["parser"] = "older-unidiff-1.0.1"
-    entry.write_text(json.dumps(body))
+    head, body = (json.loads(part) for part in entry.read_bytes().split(b"\n", 1))
+    body[0][0][5] += "\n"  # a new side with the blank line
+
+    def write() -> None:
+        entry.write_text(json.dumps(head) + "\n" + json.dumps(body) + "\n")
+
+    head["parser"] = "older-unidiff-1.0.1"
+    write()
     assert parse_cache.parsed(data, "p", sha) == right
-    body["parser"] = parse_cache.parser_fingerprint()  # the control: this parser's entry is read
-    entry.write_text(json.dumps(body))
+    head["parser"] = parse_cache.parser_fingerprint()  # the control: this parser's entry is read
+    write()
     assert parse_cache.parsed(data, "p", sha) != right
 
 
