@@ -444,12 +444,14 @@ def read_state(path: Path, limit: int = STATE_MAX_BYTES, *, links: bool = False)
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
         chunks = []
         size = 0
-        while chunk := os.read(fd, 1 << 20):
+        ask = info.st_size + 1  # the whole file in one read (and no copy) while it does not grow
+        while chunk := os.read(fd, ask):
             size += len(chunk)
             if size > limit:
                 raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
             chunks.append(chunk)
-        return b"".join(chunks)
+            ask = 1 << 20
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
 
