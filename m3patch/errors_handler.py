@@ -24,8 +24,9 @@ from m3patch.errors import (
 )
 
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a tool killed by SIGPIPE reports (`| head`)
-# errno of a write to a stream that cannot take it (stdout to /dev/full, a full disk or quota)
-OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+# errno of a write to a stream that cannot take it (stdout to /dev/full, a full disk or quota,
+# a stdout closed before the start: main.ClosedStdout)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF})
 
 
 def is_output_error(exc: BaseException) -> bool:
@@ -138,8 +139,10 @@ def handle_errors(*, debug: bool = False) -> Iterator[Outcome]:
             _internal(exc, debug, outcome)
             return
         _silence_stdout()  # the interpreter's final flush would fail again on the same device
-        failed = OutputFailed(f"cannot write the output: {exc.strerror or exc}",
-                              hint="free space on the device stdout goes to, or redirect it")
+        hint = ("give stdout a file or /dev/null (`> out.txt`) instead of closing it"
+                if exc.errno == errno.EBADF else
+                "free space on the device stdout goes to, or redirect it")
+        failed = OutputFailed(f"cannot write the output: {exc.strerror or exc}", hint=hint)
         _emit(str(failed))
         outcome.code = failed.exit_code
     except Exception as exc:

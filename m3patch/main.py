@@ -9,7 +9,9 @@ M3PatchError and turned into one message and a unique exit code here and nowhere
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,6 +20,44 @@ from typing import NamedTuple, NoReturn
 from m3patch import __version__
 
 OUTPUT_FAILED_EXIT = 27  # errors.OutputFailed, without importing the errors module for --version
+
+
+class ClosedStdout(io.TextIOBase):
+    """sys.stdout when descriptor 1 was closed before m3patch started (`m3patch status >&-`):
+    Python leaves sys.stdout None, and print() to None writes nothing, so the report would be
+    lost behind exit 0 (and rich fails on None). Every write fails as one to a closed
+    descriptor does (EBADF), which the error handler reports as OutputFailed."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return 1  # /dev/null by now (_guard_standard_streams)
+
+
+def _guard_standard_streams() -> None:
+    """Descriptors 0-2 that were closed at start get /dev/null: otherwise the next file m3patch
+    opens (a ledger, a lock, a log) takes number 1 or 2, and a print or a child's output would
+    land in it. A closed stdout then fails each write (ClosedStdout); a closed stderr only
+    loses m3patch's messages, as with any tool."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdout is None:
+        sys.stdout = ClosedStdout()
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115  # for the process's life
 
 
 class Command(NamedTuple):
@@ -108,6 +148,7 @@ def _own_sigint() -> Callable[[], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    _guard_standard_streams()
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
         try:
             print(f"m3patch {__version__}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,22 +13,28 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-@cache
-def console() -> Console:
+def _console(**options: Any) -> Console:
     # deferred: rich: loaded only when something is printed (keeps --version fast)
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    class PipeAware(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own exits 1 with no word; the error handler gives a closed pipe 141
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "the reader of the output left")
+
+    return PipeAware(highlight=False, soft_wrap=True, **options)
+
+
+@cache
+def console() -> Console:
+    return _console(stderr=True)
 
 
 @cache
 def stdout_console() -> Console:
-    # deferred: rich: loaded only when something is printed (keeps --version fast)
-    from rich.console import Console
-
     # Logs and pipes get rich's 80-column default, which truncates table cells; CI logs are wide.
-    width = None if sys.stdout.isatty() else 160
-    return Console(highlight=False, soft_wrap=True, width=width)
+    return _console(width=None if sys.stdout.isatty() else 160)
 
 
 def info(message: str) -> None:
