@@ -14,6 +14,7 @@ from typing import Protocol
 
 from m3patch.changelog.refs import PATCHES_DIR, RECIPES_DIR, Catalog, is_recipe_path
 from m3patch.errors import M3PatchError, UsageError
+from m3patch.shipped import shipped_dir
 from m3patch.yamlio import load_yaml_text
 
 # Used when neither --repo, $GITHUB_REPOSITORY nor a github.com `upstream` / `origin` remote
@@ -82,7 +83,14 @@ def build_catalog(reader: TreeReader) -> Catalog:
     recipes = tuple(p for p in reader.files(RECIPES_DIR) if is_recipe_path(p))
     series: dict[str, tuple[str, ...]] = {}
     broken: dict[str, str] = {}
-    for path in reader.files(PATCHES_DIR):
+    # A repository without patches/ (an InferenceX checkout) runs the series that ship with
+    # m3patch: an entry names them as `series list` prints them (vllm-0.33.0).
+    paths = reader.files(PATCHES_DIR)
+    shipped = shipped_dir("patches") if not paths else None
+    if shipped is not None:
+        reader = WorkTreeReader(shipped.parent)
+        paths = reader.files(shipped.name)
+    for path in paths:
         parts = path.split("/")
         if len(parts) != 3 or parts[2] != "series.yaml":
             continue

@@ -170,3 +170,28 @@ def test_entry_not_at_column_zero(repo: GitRepo, capsys: pytest.CaptureFixture[s
     indented = "".join("  " + line for line in entry().splitlines(keepends=True))
     out = fails(repo, capsys, indented)
     assert "found 1 entries but 0 lines starting with '- ' at column 0" in out
+
+
+def test_a_repository_without_patches_names_the_shipped_series(tmp_path: Path) -> None:
+    """Before: in a repository with no patches/ folder (an InferenceX checkout), an entry with
+    `series: vllm-0.33.0`, the name `series list` prints, was refused: "does not exist ...
+    (known: none)". Such a repository runs the series that ship with m3patch; a repository
+    with patches/ of its own still names only its own."""
+    from m3patch.changelog.entries import ChangelogEntry
+    from m3patch.changelog.refs import reference_findings
+    from m3patch.changelog.sources import WorkTreeReader, build_catalog
+    from m3patch.patching.series import load_series, series_path
+
+    shipped_ids = tuple(p.id for p in load_series(series_path("vllm-0.33.0")).patches)
+    entry = ChangelogEntry(line=1, config_keys=(), description=("x",), pr_link="",
+                           series="vllm-0.33.0", patches=shipped_ids[:1])
+    catalog = build_catalog(WorkTreeReader(tmp_path))
+    assert catalog.series["vllm-0.33.0"] == shipped_ids
+    assert reference_findings(entry, catalog) == []
+    wrong = ChangelogEntry(line=1, config_keys=(), description=("x",), pr_link="",
+                           series="vllm-0.33.0", patches=("no-such-patch",))
+    assert [f.rule for f in reference_findings(wrong, catalog)] == ["patches"]
+    own = tmp_path / "patches" / "mine"
+    own.mkdir(parents=True)
+    (own / "series.yaml").write_text("patches: []\n")
+    assert set(build_catalog(WorkTreeReader(tmp_path)).series) == {"mine"}
