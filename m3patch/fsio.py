@@ -111,9 +111,12 @@ def resolve_way(path: Path, *, error: type[M3PatchError] = UnsafeState) -> tuple
         msg = f"{path}: cannot tell where it is ({exc.strerror or exc})"
         raise error(msg, hint=f"give {path} as an absolute path") from None
     pending = list(start.parts[1:])
-    real, hops = Path("/"), 0
+    named = len(pending)  # how many of `pending`, at its end, are the path's own names
+    real, hops, link = Path("/"), 0, None
     _check_way(real, real.lstat(), path, error)  # / itself is always there
     while pending:
+        from_link = len(pending) > named
+        named -= not from_link
         name = pending.pop(0)
         if name == "..":
             real = real.parent
@@ -121,17 +124,26 @@ def resolve_way(path: Path, *, error: type[M3PatchError] = UnsafeState) -> tuple
         here = real / name
         info = _inspect(here, path, error)
         if info is None:
+            if from_link:
+                _dangling(path, link, real / name, error)
             return real, [name, *pending]
         if stat.S_ISLNK(info.st_mode):
             hops += 1
             _check_link(here, info, hops, path, error)
             target = _inspect_link(here, path, error)
-            real = Path("/") if target.is_absolute() else real
+            real, link = (Path("/") if target.is_absolute() else real), here
             pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
             continue
         _check_way(here, info, path, error)
         real = here
     return real, []
+
+
+def _dangling(path: Path, link: Path | None, missing: Path, error: type[M3PatchError]) -> None:
+    """A link on the way leads where nothing is: the folders there are not the path's own, and
+    m3patch makes none outside what the user named (a stale link to another disk, `/nonexistent`)."""
+    msg = f"{path}: the link {link} leads to {missing}, which does not exist"
+    raise error(msg, hint=f"create {missing} yourself, or remove the link {link}")
 
 
 def _inspect(here: Path, path: Path, error: type[M3PatchError]) -> os.stat_result | None:

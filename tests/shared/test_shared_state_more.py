@@ -242,6 +242,32 @@ def test_a_cache_root_moved_with_the_users_own_link_keeps_the_memos(
     assert list(foreign.iterdir()) == []  # a memo is only time: nothing written there
 
 
+def test_a_cache_link_that_leads_nowhere_makes_no_folder_there(
+        pristine_033: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `~/.cache/m3patch` a link to a folder that does not exist (a stale link to an
+    unmounted disk, `/nonexistent`) was followed and its target made: `markers lint` put 393 MB
+    in a new /nonexistent. Now the way to a missing target is not the path the user named:
+    nothing is made there; the memos are off with one warning (apply exits 0 at cold speed)
+    and a command that must write there (the agentic trace cache) stops naming the link. The
+    path's own missing folders (a fresh HOME's .cache) are still made."""
+    from m3patch.bench.agentic import synthesize
+    from m3patch.errors import AgenticTraceError
+
+    target = tmp_path / "unmounted" / "m3patch"
+    link = tmp_path / "cache-link"
+    link.symlink_to(target)
+    monkeypatch.setenv("M3PATCH_CACHE", str(link))
+    root = copy_tree(pristine_033, tmp_path / "site-packages")
+    assert main(["apply", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    with pytest.raises(AgenticTraceError, match=r"leads to .*unmounted.*which does not exist"):
+        synthesize._cache_folder()
+    assert not (tmp_path / "unmounted").exists()
+    monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "fresh-home" / ".cache" / "m3patch"))
+    assert main(["revert", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert main(["apply", "--vllm-root", str(root), "--series", str(TEST_SERIES)]) == 0
+    assert (tmp_path / "fresh-home" / ".cache" / "m3patch" / "parsed").is_dir()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making another user's folder needs root")
 def test_a_tune_cache_folder_another_user_owns_is_never_appended_to(tmp_path: Path) -> None:
     """Before: a `--cache` file in a folder another user owns (who could swap its entries for
