@@ -85,7 +85,24 @@ def _series_dir(path: Path, text: str) -> Path:
     if "/" not in text and not path_is(relative, "dir") and shipped is not None \
             and path_is(shipped / text / "series.yaml", "file"):
         return (shipped / text).resolve()
+    if not path_is(relative / "series.yaml", "file"):
+        _no_series(text, relative, shipped)
     return relative
+
+
+def _no_series(text: str, relative: Path, shipped: Path | None) -> None:
+    """A recipe copied out of a checkout keeps its `../patches/NAME`: say what to write."""
+    names = sorted(p.name for p in shipped.iterdir()
+                   if path_is(p / "series.yaml", "file")) if shipped is not None else []
+    msg = f"{text!r} is no series folder (no series.yaml in {relative})"
+    if relative.name in names:
+        msg += (f"; write `series: {relative.name}` for the series of that name that ships with "
+                "m3patch (a name works wherever the recipe is)")
+    else:
+        listed = ", ".join(names) or "none"
+        msg += (f"; give a folder holding series.yaml, relative to the recipe, or the name of a "
+                f"shipped series ({listed})")
+    raise SchemaError(msg)
 
 
 

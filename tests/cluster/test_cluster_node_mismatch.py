@@ -72,7 +72,7 @@ def test_a_node_on_another_tree_fails_the_set_with_25(cpu_venv: Path, tiny_model
                                                       tmp_path: Path) -> None:
     started = time.time()
     recipe = tmp_path / "dp2_other.yaml"
-    recipe.write_text(RECIPE.read_text().replace("series: ../patches/vllm-0.32.0",
+    recipe.write_text(RECIPE.read_text().replace("series: vllm-0.32.0",
                                                  f"series: {other_series(tmp_path)}"))
     site = other_tree(cpu_venv, tmp_path)
     run_dir = tmp_path / "run"

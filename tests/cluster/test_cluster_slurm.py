@@ -192,7 +192,7 @@ def small_sweep_recipe(tmp_path: Path) -> Path:
     """The DP recipe with a two-cell sweep of a few short requests: the sweep's plumbing through
     Slurm is under test here, not its numbers."""
     text = RECIPE.read_text()
-    for old, new in (("series: ../patches/", f"series: {REPO / 'patches'}/"),
+    for old, new in (("series: vllm-", f"series: {REPO / 'patches'}/vllm-"),
                      ("prompts-per-concurrency: 10", "prompts-per-concurrency: 2"),
                      ("warmups-per-concurrency: 2", "warmups-per-concurrency: 1"),
                      ("{isl: 32, osl: 128, concurrency: [1, 2, 4]}",

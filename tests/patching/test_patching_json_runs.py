@@ -38,7 +38,7 @@ def recipe_on_this_python(tmp_path: Path) -> Path:
     (tmp_path / "no-model" / "config.json").write_text("{}")
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     text = text.replace('vllm-version: "0.32.0"', 'vllm-version: "0.33.0"')
-    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {REPO}/tests/data/test-series")
+    text = text.replace("series: vllm-0.32.0", f"series: {REPO}/tests/data/test-series")
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")
@@ -56,7 +56,7 @@ def recorded_recipe(tmp_path: Path) -> Path:
     text = re.sub(r"osl: [0-9]+", "osl: 16", text)
     text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     path = tmp_path / "cpu_tiny_moe.yaml"
-    path.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    path.write_text(text.replace("series: vllm-", f"series: {REPO}/patches/vllm-"))
     return path
 
 

@@ -37,7 +37,7 @@ def test_validate_reports_every_bad_file_with_exit_2(m3patch_cli: Cli, tmp_path:
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
                    .replace("vllm-args:", "vllm_args:")
-                   .replace("../patches/vllm-0.32.0", str(REPO / "patches" / "vllm-0.32.0")))
+                   .replace("series: vllm-0.32.0", f"series: {REPO / 'patches' / 'vllm-0.32.0'}"))
     result = m3patch_cli("recipe", "validate", str(bad), "recipes/cpu_tiny_moe.yaml")
     assert result.returncode == 2
     assert "unknown key 'vllm_args'. Perhaps you meant 'vllm-args'?" in result.stderr
@@ -139,3 +139,29 @@ def test_tables_to_a_pipe_are_plain_text(m3patch_cli: Cli, tmp_path: Path) -> No
     rows = [line.split() for line in check.stdout.splitlines()]
     assert ["cpu-moe-backend", "required", "Using", "CPUUnquantizedExperts", "MoE", "backend", "1", "1",
             "recipe", "recipes/cpu_tiny_moe.yaml"] in rows
+
+
+def test_a_copied_shipped_recipe_validates_anywhere(m3patch_cli: Cli, tmp_path: Path) -> None:
+    """Before: the shipped recipes kept `series: ../patches/...`, so a copy put anywhere else
+    failed with 2 ("no series manifest; fix: pass --series NAME", a flag neither command has)
+    before any other check: a GPU recipe's flag typo never reached 24. Now they name their
+    series, a copy resolves to the same series, and an old-style copy is refused at `series:`
+    with the name to write."""
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        copy = tmp_path / "elsewhere" / path.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_text(path.read_text())
+        assert load_recipe(copy).series_dir == load_recipe(path).series_dir, path.name
+    typo = tmp_path / "elsewhere" / "mi300x_tp8.yaml"
+    typo.write_text(typo.read_text().replace("async-scheduling", "async-schedulng"))
+    result = m3patch_cli("recipe", "validate", str(typo))
+    assert result.returncode == 24, result.stderr
+    assert "async-schedulng" in result.stderr and "async-scheduling" in result.stderr
+    old = tmp_path / "old-style.yaml"
+    old.write_text((REPO / "recipes" / "mi300x_tp8.yaml").read_text()
+                   .replace("series: vllm-0.33.0", "series: ../patches/vllm-0.33.0"))
+    result = m3patch_cli("recipe", "validate", str(old))
+    assert result.returncode == 2, result.stderr
+    assert "At key: series" in result.stderr and "write `series: vllm-0.33.0`" in result.stderr

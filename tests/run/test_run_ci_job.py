@@ -26,7 +26,7 @@ def _recipe(tmp_path: Path) -> Path:
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     text = text.replace('vllm-version: "0.32.0"', 'vllm-version: "0.33.0"')
     # the committed test series (stable lock) rather than patches/vllm-0.33.0, which moves
-    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {REPO}/tests/data/test-series")
+    text = text.replace("series: vllm-0.32.0", f"series: {REPO}/tests/data/test-series")
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python", sys.executable)
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # vLLM's client rejects 1.0
@@ -86,7 +86,7 @@ def test_resume_of_a_finished_run_passes_in_process_without_a_tree_or_server(tmp
     text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
     text = re.sub(r"osl: [0-9]+", "osl: 16", text)  # the recorded run's shape
     recipe = tmp_path / "cpu_tiny_moe.yaml"
-    recipe.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    recipe.write_text(text.replace("series: vllm-", f"series: {REPO}/patches/vllm-"))
     run = shutil.copytree(REPO / "tests" / "data" / "bench" / "runs" / "base", tmp_path / "run")
     gate_recorded_run(run, recipe, eval_passed=True)
     cmd = [sys.executable, "-m", "m3patch", "ci", str(recipe), "--resume", "--run-dir", str(run)]
@@ -113,7 +113,7 @@ def _recorded(tmp_path: Path) -> tuple[Path, Path]:
     # no model on disk: a resume that must measure again fails before any server starts (19)
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(tmp_path / "none"))
     recipe = tmp_path / "cpu_tiny_moe.yaml"
-    recipe.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    recipe.write_text(text.replace("series: vllm-", f"series: {REPO}/patches/vllm-"))
     return recipe, shutil.copytree(REPO / "tests" / "data" / "bench" / "runs" / "base",
                                    tmp_path / "run")
 
@@ -149,7 +149,7 @@ def test_results_without_cells_is_results_invalid(tmp_path: Path) -> None:
 def test_ci_job_script_end_to_end_on_the_real_cpu_server(tmp_path: Path, tiny_model: Path) -> None:
     """scripts/ci_job.sh on the embedded default: real apply, vllm-cpu serve, sweep, results."""
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
-    text = text.replace("series: ../patches/", f"series: {REPO}/patches/")
+    text = text.replace("series: vllm-", f"series: {REPO}/patches/vllm-")
     text = text.replace("range-ratio: 1.0", "range-ratio: 0.8")  # m3patch bench rejects 1.0
     text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     # A `warn` marker on a warning this host's CPU worker logs: reported, the job still passes.

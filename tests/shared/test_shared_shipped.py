@@ -102,7 +102,7 @@ def test_installed_tool_finds_recipes_and_series_by_name(installed: Path, tmp_pa
     bundle = installed / "m3patch" / "_shipped"
     show = _run_installed(installed, tmp_path, "recipe", "show", "mi300x_tp8")
     assert show.returncode == 0, show.stderr
-    # The recipe's relative `series: ../patches/...` lands on the bundled copy, as in a checkout.
+    # The recipe's `series: vllm-0.33.0` (a shipped series' name) lands on the bundled copy.
     assert f"# series {bundle / 'patches' / 'vllm-0.33.0'} " in show.stdout
     dry = _run_installed(installed, tmp_path, "serve", "cpu_tiny_moe.yaml", "--dry-run")
     assert dry.returncode == 0, dry.stderr

@@ -168,7 +168,7 @@ def test_a_name_longer_than_the_file_system_allows_is_a_usage_error(
     # target.python that long: not on this machine (a recipe for another host validates);
     # an empty cache: the marker lint finds no pristine tree and only asks about the python
     monkeypatch.setenv("M3PATCH_CACHE", str(tmp_path / "cache"))
-    text = text.replace("series: ../patches", f"series: {REPO}/patches")
+    text = text.replace("series: vllm-", f"series: {REPO}/patches/vllm-")
     recipe.write_text(re.sub(r"python: .*", f"python: {long}", text, count=1))
     assert main(["recipe", "validate", str(recipe)]) == 0
     assert "internal error" not in capsys.readouterr().err
