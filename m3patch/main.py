@@ -46,17 +46,21 @@ def _guard_standard_streams() -> None:
     opens (a ledger, a lock, a log) takes number 1 or 2, and a print or a child's output would
     land in it. A closed stdout then fails each write (ClosedStdout); a closed stderr only
     loses m3patch's messages, as with any tool."""
+    closed = []
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
+            closed.append(fd)
             null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
-    if sys.stdout is None:
+    # only for a closed descriptor: a program that calls main() with sys.stdout set to None
+    # (contextlib.redirect_stdout(None)) asked for silence
+    if 1 in closed and sys.stdout is None:
         sys.stdout = ClosedStdout()
-    if sys.stderr is None:
+    if 2 in closed and sys.stderr is None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115  # for the process's life
 
 
@@ -179,7 +183,9 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
 
     with handle_errors(debug=debug) as outcome:
         from m3patch.patching import memo
+        from m3patch.tool_env import check_environment
 
+        check_environment(os.environ)
         memo.start_command(COMMANDS[name].read_only)
         module = importlib.import_module(COMMANDS[name].module)
         parser_class = _JsonUsageParser if "--json" in rest else argparse.ArgumentParser
