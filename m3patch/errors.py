@@ -30,7 +30,7 @@ Every code is unique and documented in docs/exit-codes.md; scripts and CI branch
 | 24   | LaunchRejected        | vLLM's own parser / env list refuses the recipe's launch       |
 | 25   | NodeMismatch          | a node of a multi-node set runs another series, tree, or an unverified tree |
 | 26   | NodeLost              | a node of a multi-node set exited, failed its gate or missed its deadline |
-| 27   | OutputFailed          | stdout/stderr cannot be written (full device, I/O error)       |
+| 27   | OutputFailed          | stdout/stderr or a named report file cannot be written         |
 | 28   | NodeAddress           | a multi-node set has no routable head or node address, or the network interface is missing |
 | 29   | RunDirBusy            | another live set holds the multi-node run folder               |
 | 31   | AgenticClientError    | AIPerf (the agentic client) is missing, not the pinned version, failed, or left no valid export |
@@ -188,8 +188,9 @@ class RunDirBusy(M3PatchError):
 
 
 class OutputFailed(M3PatchError):
-    """stdout (or stderr) refused a write: a full device, a quota, an I/O error. The command's
-    work stands; only its report was lost."""
+    """stdout (or stderr) refused a write: a full device, a quota, an I/O error, a stdout closed
+    before the start; or a report file the user named (`--json-file`, `--out`) cannot be
+    written. The command's work stands; only its report was lost."""
 
     exit_code = 27
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from m3patch.errors import M3PatchError, TreeIOError, UnsafeState
+from m3patch.errors import M3PatchError, OutputFailed, TreeIOError, UnsafeState
 
 DEFAULT_MODE = 0o644
 TEMP_MARK = ".tmp"  # temp names: .<name>.tmp<pid>; writer.recover sweeps a killed run's leftovers
@@ -377,6 +377,24 @@ def write_json_atomic(path: Path, data: object, *, indent: int | None = 2,
                       durable: bool = True) -> None:
     write_bytes_atomic(path, json_bytes(data, indent=indent, sort_keys=sort_keys), error=error,
                        durable=durable)
+
+
+def write_output(path: Path, data: bytes, *, flag: str) -> None:
+    """A file the user named for a command's report or output (`flag`: `--json-file`, `--out`,
+    ...): one failure for every command, OutputFailed (27) naming the file, since what the
+    command did stands and only its report was lost (never a results, tree or changelog code)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomic(path, data)
+    except OSError as exc:
+        msg = f"cannot write {path}, the file {flag} names: {exc.strerror or exc}"
+        raise OutputFailed(msg, hint=f"make {path.parent} writable (or free space there), or "
+                                     f"give {flag} a file in a folder that is") from None
+
+
+def write_output_json(path: Path, data: object, *, flag: str, sort_keys: bool = False) -> None:
+    """`write_output` of `data` as JSON."""
+    write_output(path, json_bytes(data, sort_keys=sort_keys), flag=flag)
 
 
 def write_cache_json(root: Path, path: Path, data: object, *, indent: int | None = 2,

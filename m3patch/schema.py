@@ -58,20 +58,64 @@ _NAMESPACES = ("VLLM_", "M3PATCH_", "--")
 
 
 def closest(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The choice nearest `name`, scored without a namespace prefix they share; None if none
-    is near enough."""
+    """The choice nearest `name` (the first of `nearest`); None if none is near enough."""
+    found = nearest(name, choices, cutoff)
+    return found[0] if found else None
+
+
+def nearest(name: str, choices: Iterable[str], cutoff: float = 0.6) -> list[str]:
+    """Every choice equally near `name`, scored without a namespace prefix they share: the
+    candidates difflib finds close (or one edit away), ranked by edits, a swap of two neighbours
+    counting as one (`MAH` is one edit from `MHA`, two from `MLA`); [] if none is near."""
     prefix = next((p for p in _NAMESPACES if name.startswith(p)), "")
     cores: dict[str, str] = {}
     for choice in choices:
         cores.setdefault(choice.removeprefix(prefix), choice)
-    matches = difflib.get_close_matches(name.removeprefix(prefix), list(cores), n=1, cutoff=cutoff)
-    return cores[matches[0]] if matches else None
+    core = name.removeprefix(prefix)
+    close = difflib.get_close_matches(core, list(cores), n=max(1, len(cores)), cutoff=cutoff)
+    close += [c for c in cores if c not in close and len(core) > 3 and _one_edit(core, c)]
+    if not close:
+        return []
+    ranked = [(edits(core, c), c) for c in close]
+    best = min(score for score, _ in ranked)
+    return [cores[c] for score, c in ranked if score == best]
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one character changed, added, dropped, or two neighbours swapped."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    start = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
+    if len(a) == len(b):
+        return a[start + 1:] == b[start + 1:] or (
+            a[start:start + 2] == b[start:start + 2][::-1] and a[start + 2:] == b[start + 2:])
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    return longer[start + 1:] == shorter[start:]
+
+
+def edits(a: str, b: str) -> int:
+    """Edit distance, an adjacent swap counting as one edit (optimal string alignment)."""
+    before: list[int] = []
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        above, row = row, [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            row[j] = min(above[j] + 1, row[j - 1] + 1, above[j - 1] + (x != y))
+            if i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                row[j] = min(row[j], before[j - 2] + 1)
+        before = above
+    return row[-1]
 
 
 def suggest(name: str, choices: Iterable[str]) -> str:
-    """' Perhaps you meant 'x'?' or ''."""
-    match = closest(name, choices)
-    return f" Perhaps you meant {match!r}?" if match is not None else ""
+    """' Perhaps you meant 'x'?' (or 'x' or 'y', when they are equally near) or ''."""
+    found = nearest(name, choices)
+    if not found:
+        return ""
+    quoted = [repr(f) for f in found]
+    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    return f" Perhaps you meant {listed}?"
 
 
 def check_keys(

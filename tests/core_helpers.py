@@ -27,7 +27,9 @@ def recipe_variant(tmp_path: Path, python: str, vllm_args: dict[str, object] | N
 
     base = base or REPO / "recipes" / "cpu_tiny_moe.yaml"
     data = yaml.safe_load(base.read_text())
-    data["series"] = str((base.parent / data["series"]).resolve())
+    series = data["series"]  # a shipped series' name, or a folder relative to the recipe
+    data["series"] = str(REPO / "patches" / series if "/" not in series
+                         else (base.parent / series).resolve())
     data["target"]["python"] = python
     data["model"]["source"] = str(tmp_path)
     data["vllm-args"].update(vllm_args or {})

@@ -316,6 +316,7 @@ def load_aggregate(path: Path) -> dict[str, Any]:
         data = inferencex_aggregate(raw, file)
         for index, row in enumerate(data["rows"]):
             _check_row(row, f"rows[{index}]", file)
+        _check_unique(data["rows"], file)
         return data
     if not isinstance(raw, dict):
         raise invalid(file, None, f"expected an m3patch aggregate (an object), or {SOURCE_HINT}")
@@ -330,7 +331,20 @@ def load_aggregate(path: Path) -> dict[str, Any]:
     for index, row in enumerate(rows):
         rows[index] = row = _own_flags(row) if isinstance(row, dict) else row
         _check_row(row, f"rows[{index}]", file)
+    _check_unique(rows, file)
     return data
+
+
+def _check_unique(rows: list[dict[str, Any]], file: Path) -> None:
+    """One row per cell: a second copy would silently win (or go unmatched) in a comparison."""
+    first: dict[str, int] = {}
+    for index, row in enumerate(rows):
+        earlier = first.setdefault(row["cell_id"], index)
+        if earlier != index:
+            msg = (f"{file}: key 'rows[{index}].cell_id': cell {row['cell_id']!r} appears twice "
+                   f"(rows[{earlier}] and rows[{index}]); an aggregate holds one row per cell")
+            raise ResultsInvalid(msg, hint="aggregate the run again from its cell files: "
+                                 "m3patch bench RECIPE --resume --run-dir RUN")
 
 
 def _own_flags(row: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from m3patch.bench.results import invalid
 from m3patch.recipe.lengths import INFERENCEX
 
 INFERENCEX_RANGE_RATIO = 0.8  # benchmark_lib.sh run_benchmark_serving: --random-range-ratio 0.8
-SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them (docs/inferencex-fields.md)"
+SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them"
 # Keys that mark an object as an InferenceX row rather than an m3patch aggregate.
 SIGNATURE = ("conc", "hw", "tput_per_gpu")
 INTEGER_KEYS = ("conc", "isl", "osl", "tp", "ep")

@@ -57,17 +57,23 @@ def resolve_run_dir(recipe: Recipe, run_dir: Path | None, resume: bool) -> Path:
         return run_dir
     base = recipe.results_dir
     if resume:
-        earlier = sorted(p for p in base.glob("*/cells") if p.is_dir()) if base.is_dir() else []
+        # Only a folder holding a cell's result is a run to resume: one that a refused or cut
+        # short run left without any would hide the earlier run whose cells --resume keeps.
+        earlier = sorted(p for p in base.glob("*") if cell_files(p)) if base.is_dir() else []
         if not earlier:
-            msg = f"--resume: no earlier run folder under {base}"
+            msg = f"--resume: no earlier run folder with per-cell results under {base}"
             raise UsageError(msg, hint="drop --resume, or pass --run-dir RUN_FOLDER")
-        return earlier[-1].parent
+        return earlier[-1]
     return base / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
 def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[str, Any]:
+    # The InferenceX master-config entry, kept so that a changelog entry written from this run
+    # anywhere (an InferenceX checkout holds no m3patch recipe) names what InferenceX knows.
+    entry = recipe.inferencex.config_entry if recipe.inferencex is not None else None
     return {"recipe_name": recipe.name, "recipe": str(recipe.path), "run": run_dir.name,
-            "series": provenance.get("series"), "provenance": provenance}
+            "series": provenance.get("series"), "inferencex_config_entry": entry,
+            "provenance": provenance}
 
 
 def sweep_session(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from m3patch.changelog.entries import ChangelogEntry, parse_entries, parse_yaml
 from m3patch.changelog.findings import Finding, errors_of, ok
-from m3patch.changelog.refs import Catalog, matching_recipes, reference_findings
+from m3patch.changelog.refs import Catalog, reference_findings, selected_recipes
 from m3patch.changelog.rules import Change, classify, pr_link_findings
 from m3patch.changelog.text import (
     character_findings,
@@ -81,7 +81,7 @@ def check(inp: CheckInput, catalog: Catalog) -> CheckReport:
         findings += pr_link_findings(lines, change, [e.line for e in new], inp.repo, inp.pr)
     if not errors_of(findings):
         findings.append(ok("summary", _summary(change, len(new), inp.base_label)))
-    selected = sorted({p for e in new for key in e.config_keys for p in matching_recipes(key, catalog)})
+    selected = selected_recipes([key for e in new for key in e.config_keys], catalog)
     return CheckReport(inp.path, change.kind, tuple(findings), tuple(entries), tuple(new),
                        tuple(selected))
 

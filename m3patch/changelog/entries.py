@@ -28,7 +28,9 @@ from m3patch.yamlio import UniqueKeyLoader
 REQUIRED_KEYS = ("config-keys", "description", "pr-link")
 OPTIONAL_KEYS = ("evals-only", "all-evals", "append-only", "scenario-type", "series", "patches")
 SCENARIO_TYPES = ("fixed-seq-len", "agentic-coding")
-FIX_SCHEMA = "see docs/changelog.md for the entry schema"
+FIX_SCHEMA = ("an entry is a mapping with config-keys (a list of recipe names), description (a list "
+              "of lines) and pr-link; optional: evals-only, all-evals, append-only, scenario-type, "
+              "series, patches")
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,20 @@
 
 `config-keys` name recipes, the YAML files directly in recipes/ (its subfolders hold other data:
 the eval tasks under recipes/evals/ are no recipes): a key matches a recipe file by its path from the repository root
-(`recipes/cpu_tiny_moe.yaml`), its path under recipes/ (`cpu_tiny_moe.yaml`) or that without
-the suffix (`cpu_tiny_moe`); `*`, `?` and `[...]` globs work, and every key, glob or not, must
-match at least one recipe (a typo would otherwise select nothing and pass).
+(`recipes/cpu_tiny_moe.yaml`), its path under recipes/ (`cpu_tiny_moe.yaml`), that without
+the suffix (`cpu_tiny_moe`) or the recipe's `inferencex.config-entry`; `*`, `?` and `[...]` globs
+work, and every key, glob or not, must match at least one recipe (a typo would otherwise select
+nothing and pass).
+
+An InferenceX checkout (its master configs present) is judged as its own check judges it: each
+key must be an entry of those master configs, or a `*` glob matching one; a recipe name that
+InferenceX does not know would pass here and fail there.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,6 +26,9 @@ from m3patch.schema import suggest
 RECIPES_DIR = "recipes"
 PATCHES_DIR = "patches"
 RECIPE_SUFFIXES = (".yaml", ".yml")
+# Where InferenceX keeps the entries its changelog's config-keys name (older checkouts: .github/).
+MASTER_CONFIGS = ("configs/amd-master.yaml", "configs/nvidia-master.yaml",
+                  ".github/configs/amd-master.yaml", ".github/configs/nvidia-master.yaml")
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,11 @@ class Catalog:
     recipes: tuple[str, ...]  # repository-relative paths of the YAML files directly in recipes/
     series: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # folder -> patch ids
     series_errors: Mapping[str, str] = field(default_factory=dict)  # folder -> why unreadable
+    config_entries: Mapping[str, str] = field(default_factory=dict)  # recipe path -> config-entry
+    recipes_shipped: bool = False  # no recipes/ here: the recipes that ship with m3patch
+    # An InferenceX checkout: the master configs read and their entries; () elsewhere.
+    master_files: tuple[str, ...] = ()
+    master_entries: tuple[str, ...] = ()
 
 
 def is_recipe_path(path: str) -> bool:
@@ -46,14 +60,41 @@ def recipe_names(path: str) -> tuple[str, ...]:
 def matching_recipes(key: str, catalog: Catalog) -> list[str]:
     return [
         path for path in catalog.recipes
-        if any(fnmatch.fnmatchcase(name, key) for name in recipe_names(path))
+        if any(fnmatch.fnmatchcase(name, key)
+               for name in (*recipe_names(path), catalog.config_entries.get(path, "")) if name)
     ]
 
 
+def selected_recipes(keys: list[str], catalog: Catalog) -> list[str]:
+    """The recipes `keys` select, as a RECIPE argument names them: a path in this repository,
+    or a shipped recipe's name where the repository has no recipes/ of its own."""
+    paths = {p for key in keys for p in matching_recipes(key, catalog)}
+    return sorted(recipe_names(p)[2] if catalog.recipes_shipped else p for p in paths)
+
+
+def matching_master_entries(key: str, catalog: Catalog) -> list[str]:
+    """InferenceX's own rule: `*` is the only wildcard, anything else is literal."""
+    pattern = re.compile(re.escape(key).replace(r"\*", ".*"))
+    return [name for name in catalog.master_entries if pattern.fullmatch(name)]
+
+
 def reference_findings(entry: ChangelogEntry, catalog: Catalog) -> list[Finding]:
-    findings = [_missing_recipe(entry, key, catalog) for key in entry.config_keys]
+    missing = _missing_master_entry if catalog.master_files else _missing_recipe
+    findings = [missing(entry, key, catalog) for key in entry.config_keys]
     findings += _series_findings(entry, catalog)
     return [f for f in findings if f is not None]
+
+
+def _missing_master_entry(entry: ChangelogEntry, key: str, catalog: Catalog) -> Finding | None:
+    if matching_master_entries(key, catalog):
+        return None
+    files = ", ".join(catalog.master_files)
+    nearest = suggest(key, list(catalog.master_entries)) if catalog.master_entries else ""
+    msg = (f"config-keys: {key!r} is no entry of this InferenceX checkout's master configs "
+           f"({files}), so InferenceX's own check refuses it.{nearest}")
+    return error("config-keys", msg, entry.line,
+                 "name the recipe's inferencex.config-entry (`m3patch bench compare BASE NEW "
+                 f"--changelog-entry` writes it), or an entry of {files}")
 
 
 def _missing_recipe(entry: ChangelogEntry, key: str, catalog: Catalog) -> Finding | None:

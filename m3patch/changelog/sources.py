@@ -9,12 +9,19 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from m3patch.changelog.refs import PATCHES_DIR, RECIPES_DIR, Catalog, is_recipe_path
+from m3patch.changelog.refs import (
+    MASTER_CONFIGS,
+    PATCHES_DIR,
+    RECIPES_DIR,
+    Catalog,
+    is_recipe_path,
+)
 from m3patch.errors import M3PatchError, UsageError
-from m3patch.shipped import shipped_dir
+from m3patch.shipped import Kind, shipped_dir
 from m3patch.yamlio import load_yaml_text
 
 # Used when neither --repo, $GITHUB_REPOSITORY nor a github.com `upstream` / `origin` remote
@@ -80,16 +87,65 @@ class GitRefReader:
 
 
 def build_catalog(reader: TreeReader) -> Catalog:
-    recipes = tuple(p for p in reader.files(RECIPES_DIR) if is_recipe_path(p))
-    series: dict[str, tuple[str, ...]] = {}
-    broken: dict[str, str] = {}
-    # A repository without patches/ (an InferenceX checkout) runs the series that ship with
-    # m3patch: an entry names them as `series list` prints them (vllm-0.33.0).
-    paths = reader.files(PATCHES_DIR)
-    shipped = shipped_dir("patches") if not paths else None
+    recipes, entries, shipped = _recipes(reader)
+    masters = {path: _top_keys(reader.read(path)) for path in MASTER_CONFIGS}
+    found = {path: keys for path, keys in masters.items() if keys is not None}
+    series, broken = _series(reader)
+    return Catalog(recipes=recipes, series=series, series_errors=broken, config_entries=entries,
+                   recipes_shipped=shipped, master_files=tuple(found),
+                   master_entries=tuple(sorted({k for keys in found.values() for k in keys})))
+
+
+def _shipped_or(reader: TreeReader, folder: str, kind: Kind,
+                keep: Callable[[str], bool]) -> tuple[TreeReader, list[str]]:
+    """A repository without the folder (an InferenceX checkout) runs what ships with m3patch
+    (`m3patch bench mi300x_tp8`, `series list`): its entries name those."""
+    paths = [p for p in reader.files(folder) if keep(p)]
+    shipped = shipped_dir(kind) if not paths else None
     if shipped is not None:
         reader = WorkTreeReader(shipped.parent)
-        paths = reader.files(shipped.name)
+        paths = [p for p in reader.files(shipped.name) if keep(p)]
+    return reader, paths
+
+
+def _recipes(reader: TreeReader) -> tuple[tuple[str, ...], dict[str, str], bool]:
+    """The recipes, of each that states one its `inferencex.config-entry`, and whether they are
+    the shipped ones."""
+    found, paths = _shipped_or(reader, RECIPES_DIR, "recipes", is_recipe_path)
+    entries = {}
+    for path in paths:
+        entry = _config_entry(found.read(path))
+        if entry is not None:
+            entries[path] = entry
+    return tuple(paths), entries, found is not reader
+
+
+def _config_entry(raw: bytes | None) -> str | None:
+    """Best effort: a recipe that does not parse names no entry (recipe validate says why)."""
+    try:
+        data = load_yaml_text((raw or b"").decode("utf-8", errors="replace"), source="recipe")
+    except M3PatchError:
+        return None
+    section = data.get("inferencex") if isinstance(data, dict) else None
+    entry = section.get("config-entry") if isinstance(section, dict) else None
+    return entry if isinstance(entry, str) and entry else None
+
+
+def _top_keys(raw: bytes | None) -> tuple[str, ...] | None:
+    """An InferenceX master config's entries (its top-level keys); None when there is none."""
+    if raw is None:
+        return None
+    try:
+        data = load_yaml_text(raw.decode("utf-8", errors="replace"), source="master config")
+    except M3PatchError:
+        return ()  # present but unreadable: no key matches it, and the finding names the file
+    return tuple(str(k) for k in data) if isinstance(data, dict) else ()
+
+
+def _series(reader: TreeReader) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    series: dict[str, tuple[str, ...]] = {}
+    broken: dict[str, str] = {}
+    reader, paths = _shipped_or(reader, PATCHES_DIR, "patches", lambda _path: True)
     for path in paths:
         parts = path.split("/")
         if len(parts) != 3 or parts[2] != "series.yaml":
@@ -98,7 +154,7 @@ def build_catalog(reader: TreeReader) -> Catalog:
             series[parts[1]] = _patch_ids(reader.read(path) or b"", path)
         except M3PatchError as exc:
             broken[parts[1]] = exc.message
-    return Catalog(recipes=recipes, series=series, series_errors=broken)
+    return series, broken
 
 
 def _patch_ids(raw: bytes, source: str) -> tuple[str, ...]:

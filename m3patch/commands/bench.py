@@ -20,7 +20,6 @@ from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import AGGREGATE_JSON, load_aggregate
 from m3patch.bench.changelog_entry import changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
-from m3patch.bench.results import write_result
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
 from m3patch.errors import (
     Interrupted,
@@ -30,7 +29,8 @@ from m3patch.errors import (
     raise_if_interrupted,
 )
 from m3patch.eval import compare as eval_compare
-from m3patch.output import info, stdout_console, table
+from m3patch.fsio import write_output_json
+from m3patch.output import info, stdout_console, table, warn
 from m3patch.patching import report_json
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = parser.add_argument_group("sweep (m3patch bench RECIPE)")
     sweep.add_argument("--run-dir", type=Path,
                        help="run folder (default: <recipe results>/<UTC time>; with --resume: "
-                            "the newest run folder there)")
+                            "the newest run folder there that holds a cell's result)")
     sweep.add_argument("--resume", action="store_true",
                        help="keep cells that already have a valid, complete result file")
     sweep.add_argument("--only", action="append", metavar="CELL_ID", default=[],
@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     comp = parser.add_argument_group("compare (m3patch bench compare BASE NEW)")
     comp.add_argument("--metric", choices=METRICS, default="tput_per_gpu", metavar="METRIC",
-                      help="value compared per cell: a throughput per GPU, <stat>_intvty, or "
+                      help="value compared per cell: a throughput per GPU, "
                            "<stat>_<ttft|tpot|itl|e2el> in seconds, <stat> one of mean, median, "
-                           "std, p90, p99, p99.9 (default: tput_per_gpu, total tok/s/GPU)")
+                           "std, p90, p99, p99.9, or <stat>_intvty (tok/s/user; every <stat> but "
+                           "std) (default: tput_per_gpu, total tok/s/GPU)")
     comp.add_argument("--plots", type=Path, metavar="DIR", help="write both PNG plots here")
     comp.add_argument("--changelog-entry", action="store_true",
                       help="print only a perf-changelog.yaml entry for NEW's recipe with the "
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     report_run(fields, pipeline, outcome, spec.recipe_path)
     if json_file(args) is not None:
         report = {**fields, "exit_code": outcome.exit_code, "ok": outcome.exit_code == 0}
-        write_result(Path(str(json_file(args))), report)
+        write_output_json(Path(str(json_file(args))), report, flag="--json-file", sort_keys=True)
     code = finish(outcome)
     if json_stdout(args):
         report_json.finish(fields)
@@ -197,7 +198,8 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     accuracy = _accuracy(scores)
     target = json_file(args)
     if target is not None:
-        write_result(target, {**cmp.to_json(result), **accuracy})
+        write_output_json(target, {**cmp.to_json(result), **accuracy}, flag="--json-file",
+                          sort_keys=True)
         info(f"comparison written to {target}")
     _refuse_empty(result, base, new)
     _plots(base_agg, new_agg, args)
@@ -205,11 +207,19 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
 
 def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any], new: Path) -> int:
-    """The entry alone on stdout, after one blank line: `>> perf-changelog.yaml` appends it."""
-    key = new_agg.get("recipe_name")
+    """The entry alone on stdout, after one blank line: `>> perf-changelog.yaml` appends it.
+    Its key is NEW's InferenceX master-config entry, what an InferenceX checkout's own check
+    accepts; a run of a recipe without one is keyed by the recipe's name (m3patch's recipes/)."""
+    name, entry = new_agg.get("recipe_name"), new_agg.get("inferencex_config_entry")
+    key = entry if isinstance(entry, str) and entry else name
     if not isinstance(key, str) or not RECIPE_KEY.match(key):
         msg = f"{new}: NEW names no m3patch recipe ({key!r}), so the entry has no config key"
         raise UsageError(msg, hint="give an m3patch run folder or aggregate.json as NEW")
+    if key == name:
+        warn(f"{new}: its recipe {name!r} names no inferencex.config-entry, so the entry's key is "
+             "the m3patch recipe name; an InferenceX checkout's own check accepts only its "
+             "master-config entries (set inferencex.config-entry in the recipe and re-aggregate: "
+             f"m3patch bench RECIPE --resume --run-dir {new})")
     stdout_console().print("\n" + changelog_entry(base_agg, new_agg, key).rstrip("\n"),
                            markup=False, highlight=False, soft_wrap=True)
     return 0

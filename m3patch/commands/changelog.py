@@ -31,7 +31,7 @@ from m3patch.changelog.sources import (
 )
 from m3patch.commands.flags import add_json_flags, json_file, json_stdout
 from m3patch.errors import UsageError
-from m3patch.fsio import write_json_atomic
+from m3patch.fsio import write_output_json
 from m3patch.output import info
 
 DEFAULT_FILE = "perf-changelog.yaml"
@@ -124,4 +124,4 @@ def _read_base(root: Path | None, rel: str, base_ref: str | None) -> bytes | Non
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:
-    write_json_atomic(path, data)
+    write_output_json(path, data, flag="--json-file")

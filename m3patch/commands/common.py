@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import signal
 import sys
 import threading
@@ -11,9 +12,15 @@ from pathlib import Path
 from types import FrameType
 
 from m3patch.commands.flags import add_python_flag
-from m3patch.errors import Interrupted, forget_interrupts, interrupt
+from m3patch.errors import Interrupted, UsageError, forget_interrupts, interrupt
 from m3patch.patching.locate import VllmTree, find_vllm
-from m3patch.patching.series import Series, find_series_dir, load_series, series_path
+from m3patch.patching.series import (
+    ENV_SERIES,
+    Series,
+    find_series_dir,
+    load_series,
+    series_path,
+)
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +42,15 @@ def tree_from(args: argparse.Namespace) -> VllmTree:
 
 def series_dir(args: argparse.Namespace, tree: VllmTree | None) -> Path:
     """--series, else the default lookup for the tree's vLLM version (patching.series)."""
-    return find_series_dir(args.series, None if tree is None else tree.version)
+    try:
+        return find_series_dir(args.series, None if tree is None else tree.version)
+    except UsageError as exc:
+        value = os.environ.get(ENV_SERIES)
+        if args.series is not None or not value:
+            raise
+        # the value was never typed on this command line: say which variable gave it
+        msg = f"{ENV_SERIES}={value!r} (from the environment): {exc.message}"
+        raise UsageError(msg, hint=f"unset {ENV_SERIES}, or {exc.hint}") from None
 
 
 def tree_and_series(args: argparse.Namespace) -> tuple[VllmTree, Series]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from m3patch.bench.matrix import EvalJobs, build_matrix
 from m3patch.bench.spec import matrix_recipe
+from m3patch.errors import FileNameEncoding
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 
@@ -38,8 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pretty-print (default: one line, as $GITHUB_OUTPUT needs)")
 
 
-def run(args: argparse.Namespace) -> int:
+def require_utf8_name(text: str) -> str:
+    """A recipe name the matrix can hand on: its JSON is read by CI tools that cannot decode the
+    lone surrogate a file name's non-UTF-8 byte becomes (`bad\\udcff.yaml`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+        msg = (f"{shown}: the recipe's file name is not UTF-8, so the matrix JSON (read by CI) "
+               "cannot name it")
+        raise FileNameEncoding(msg, hint="rename the recipe file to a UTF-8 name "
+                                         "(e.g. `mv` it to plain ASCII), then re-run") from None
+    return text
 
+
+def run(args: argparse.Namespace) -> int:
+    for text in args.recipes:
+        require_utf8_name(text)
     # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
     # from, and names the recipe in a sweep error.
     recipes = [matrix_recipe(load_recipe(recipe_path(text)), text) for text in args.recipes]

@@ -17,12 +17,12 @@ from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
-from m3patch.output import info, table
+from m3patch.output import info, table, warn
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.recipe.server_groups import server_groups
 from m3patch.serving.launch_plan import all_markers, plan_launch
-from m3patch.serving.vllm_parser import check_launch
+from m3patch.serving.vllm_parser import check_launch, other_vllm_note
 
 if TYPE_CHECKING:
     from m3patch.markers import MarkerSpec
@@ -105,6 +105,8 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
         checked = check_launch(group.recipe, interpreter, plan.spec.env, other_vllm=other_vllm,
                                located=checked.tree if checked is not None else None)
+    if not check:
+        _warn_other_vllm(recipe, interpreter)
     print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
     print(f"# series {recipe.series_dir} (applied and verified before start)")
     if checked is not None:
@@ -168,12 +170,19 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:
-    """One line per marker, then its text whole on a line of its own (quoted, so a trailing
-    blank shows): texts are copied into recipes and greps, so no table column may cut them."""
+    """The markers under a line per source that declared them (a series' manifest path is long
+    and shared by most), one line per marker, then its text whole on a line of its own (quoted,
+    so a trailing blank shows): texts are copied into recipes and greps, so no table column may
+    cut them."""
     out = ["markers (required by readiness; forbidden at any time):"]
+    by_source: dict[str, list[MarkerSpec]] = {}
     for m in markers:
-        count = "any count" if m.count is None else f"count {m.count}"
-        out += [f"  {m.kind:<9} {m.id} ({count}; declared by {m.declared_by})", f"    {m.text!r}"]
+        by_source.setdefault(m.declared_by, []).append(m)
+    for source, group in by_source.items():
+        out.append(f"  declared by {source}:")
+        for m in group:
+            count = "any count" if m.count is None else f"count {m.count}"
+            out += [f"    {m.kind:<9} {m.id} ({count})", f"      {m.text!r}"]
     return out
 
 
@@ -219,6 +228,15 @@ def group_cells(cells: list[Cell | AgenticCell]) -> str:
     parts = [f"{isl}/{osl}: c{concs}" for isl, osl, concs in sweep_rows(fixed)]
     parts += [cell.cell_id for cell in cells if isinstance(cell, AgenticCell)]
     return "; ".join(parts)
+
+
+def _warn_other_vllm(recipe: Recipe, interpreter: str) -> None:
+    """`recipe show` checks no launch, but a command it prints for an interpreter that serve
+    and bench would refuse (exit 4) must not pass for one that runs."""
+    note = other_vllm_note(recipe, interpreter)
+    if note is not None:
+        warn(f"{note}; `m3patch serve` and `bench` refuse it (exit 4): pass --python with a "
+             f"vLLM {recipe.target.vllm_version} interpreter")
 
 
 def sweep_rows(cells: Iterable[Cell]) -> list[list[Any]]:

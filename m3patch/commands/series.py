@@ -17,7 +17,7 @@ from m3patch.commands.common import add_tree_options, prepare_process, say, seri
 from m3patch.commands.flags import add_python_flag
 from m3patch.commands.series_waiver import write_waiver
 from m3patch.errors import PortConflict, UsageError, VersionMismatch, VllmNotFound
-from m3patch.fsio import read_state, write_bytes_atomic
+from m3patch.fsio import read_state, write_output
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.patching.ledger import digest
@@ -25,7 +25,7 @@ from m3patch.patching.locate import ENV_ROOT, VllmTree, check_target, tree_at
 from m3patch.patching.port_output import port_series
 from m3patch.patching.pristine import cache_root, pristine_tree
 from m3patch.patching.series import MANIFEST, Series, load_series, series_path
-from m3patch.patching.series_lock import CLI_SPEC, LOCK, lock_series, read_lock
+from m3patch.patching.series_lock import CLI_SPEC, LOCK, pin_series, read_lock, write_lock
 from m3patch.serving.cli_spec import parse_spec
 from m3patch.serving.vllm_parser import generate_spec
 from m3patch.shipped import shipped_dir
@@ -93,8 +93,9 @@ def _spec_python(given: str | None) -> str:
     if not python.exists():
         msg = (f"no interpreter with vLLM's dependencies at {python} to build the target "
                f"vLLM's `vllm serve` parser for {CLI_SPEC}")
-        raise UsageError(msg, hint="bash scripts/setup/setup_cpu_venv.sh, or pass --python PATH "
-                                   "(or --no-cli-spec)")
+        raise UsageError(msg, hint="pass --python PATH, an interpreter with vLLM's dependencies "
+                                   "(one where `pip install vllm` ran; or set M3PATCH_CPU_VENV to "
+                                   "its venv), or --no-cli-spec to lock without a launch spec")
     return str(python)
 
 
@@ -133,15 +134,17 @@ def _lock(args: argparse.Namespace) -> int:
     tree = tree_at(root)
     check_target(tree, series.target_version, series.target_commit)
     spec = None if args.no_cli_spec else _kept_spec(series)
-    if args.cli_spec:
-        python = _spec_python(args.python)
+    python = _spec_python(args.python) if args.cli_spec else None
+    # Every check before the first write: a lock that fails anywhere leaves the old one as it was.
+    pins = pin_series(series, tree)
+    lint_series_on(series, tree.root)
+    if python is not None:
         say(f"m3patch: building vLLM {tree.version}'s `vllm serve` parser from {tree.root} "
             f"with {python}")
         spec = generate_spec(tree.root, python, series.target_version)
-    written = lock_series(series, tree, spec)
+    written = write_lock(series, tree, pins, spec)
     say(f"m3patch: wrote {written.path}: {written.patches} patch(es), {written.files} file(s)"
         + ("" if spec is None else f", launch spec {CLI_SPEC}"))
-    lint_series_on(series, tree.root)
     return 0
 
 
@@ -172,7 +175,7 @@ def _port(args: argparse.Namespace) -> int:
                          lint=_lint_for_port, series_id=args.series_id)
     if args.dry_run:
         if args.report is not None:
-            write_bytes_atomic(args.report, result.markdown.encode("utf-8"))
+            write_output(args.report, result.markdown.encode("utf-8"), flag="--report")
             say(f"m3patch: wrote the port report {args.report}")
         else:
             say(result.markdown.rstrip("\n"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from m3patch.bench.spec import image_of
 from m3patch.commands.common import say
 from m3patch.errors import UsageError
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import write_output
 from m3patch.patching.diffs import parse_patch
 from m3patch.patching.ledger import digest
 from m3patch.patching.series import MANIFEST, Series, load_series
@@ -47,7 +47,7 @@ def write_waiver(args: argparse.Namespace) -> int:
         say(text.rstrip("\n"))
         return 0
     out = Path(args.out) if args.out else Path("docs") / "waiver" / f"{args.pr}.md"
-    write_bytes_atomic(out, text.encode("utf-8"))
+    write_output(out, text.encode("utf-8"), flag="--out")
     say(f"m3patch: wrote {out}: waiver for PR #{args.pr}, {len(series.patches)} patch(es) of "
         f"{series.id}; file it in that PR")
     return 0

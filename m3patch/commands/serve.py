@@ -27,7 +27,7 @@ from m3patch.cluster.slurm import sbatch_script
 from m3patch.commands.flags import add_python_flag
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted, UsageError, interrupt, raise_if_interrupted
-from m3patch.fsio import write_bytes_atomic
+from m3patch.fsio import write_output
 from m3patch.output import info
 from m3patch.patching import report_json
 from m3patch.recipe.loader import load_recipe
@@ -185,7 +185,8 @@ def _serve_topology(args: argparse.Namespace) -> int:
             msg = f"cannot create the job's log folder {run_dir / 'logs'}: {exc.strerror}"
             raise UsageError(msg, hint="pass a writable --run-dir on a file system every node "
                                        "shares") from None
-        write_bytes_atomic(args.write_sbatch, sbatch_script(recipe, run_dir.resolve()).encode())
+        write_output(args.write_sbatch, sbatch_script(recipe, run_dir.resolve()).encode(),
+                     flag="--write-sbatch")
         info(f"wrote {args.write_sbatch}: submit with `sbatch {args.write_sbatch}` (RUN {run_dir} "
              "must be on a file system every node shares)")
         return 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from m3patch.errors import UsageError
 from m3patch.recipe.loader import load_recipe
+from m3patch.recipe.names import recipe_path
 from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS, format_table
 from m3patch.tune.naming import table_file_name
 from m3patch.tune.recipe_shapes import read_model_config, shape_for_recipe
@@ -43,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to tune")
     what.add_argument("--shape", action="append", default=[], metavar="E,N,K,TOPK",
                       help="explicit shape (repeatable), e.g. 16,3072,6144,4")
-    what.add_argument("--recipe", type=Path,
-                      help="a recipe YAML: shape from its model config and parallelism")
+    what.add_argument("--recipe", type=recipe_path, metavar="RECIPE",
+                      help="a recipe YAML or a shipped recipe's name: shape from its model "
+                           "config and parallelism")
     what.add_argument("--model-config", type=Path,
                       help="a Hugging Face config.json (with --recipe: instead of the recipe "
                            "model's own)")

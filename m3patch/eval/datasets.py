@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from m3patch.errors import EvalError, M3PatchError, ModelMissing
+from m3patch.eval.harness import setup_hint
 from m3patch.recipe.evals import EvalSpec, EvalTask
 from m3patch.recipe.model_files import env_hub_cache
 
@@ -62,7 +63,7 @@ def fetch(spec: EvalSpec, recipe_path: Path) -> tuple[str, ...]:
         what = f"{recipe_path}: cannot fetch eval dataset {task.dataset}"
         folder = run_fetch(argv, env, FETCH_TIMEOUT_S, what=what, failed=what,
                            spawn_error=ModelMissing,
-                           spawn_hint="bash scripts/setup/setup_lm_eval.sh; check the network",
+                           spawn_hint=f"{setup_hint(spec.python)}; check the network",
                            fail_hint="check the network (HTTPS_PROXY) and the dataset id")
         fetched.append(f"{task.dataset} {folder}")
     return tuple(fetched)

@@ -12,6 +12,7 @@ the hub offline and the datasets must already be cached (eval.datasets).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,20 @@ STOP_LADDER = (StopRung(signal.SIGINT, 5.0), StopRung(signal.SIGTERM, 5.0),
 OFFLINE_ENV = (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
                ("TRANSFORMERS_OFFLINE", "1"))
 LOG_TAIL_LINES = 15
-SETUP_HINT = "bash scripts/setup/setup_lm_eval.sh  (or set eval.python / $M3PATCH_LM_EVAL_PYTHON)"
+# The pin scripts/setup/setup_lm_eval.sh installs (tests keep the two in step); the hint spells
+# its steps out, since an installed m3patch ships no scripts/.
+LM_EVAL_PIN = "lm-eval[api]==0.4.13"
+DEFAULT_VENV = "~/.cache/m3patch/lm-eval-venv"
+
+
+def setup_hint(python: str | None = None) -> str:
+    """How to make the lm-eval venv whose interpreter is `python` (default: the recipes')."""
+    venv = str(Path(python).parent.parent) if python and Path(python).parent.name == "bin" \
+        else DEFAULT_VENV
+    shown = venv if venv == DEFAULT_VENV else shlex.quote(venv)
+    return (f"python3 -m venv {shown} && {shown}/bin/pip install '{LM_EVAL_PIN}'  "
+            "(or set eval.python / $M3PATCH_LM_EVAL_PYTHON)")
+
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,7 @@ def require_interpreter(python: str) -> None:
     """lm-eval lives in its own venv; say how to make it when it is not there."""
     if not path_is(Path(python), "file"):
         msg = f"no lm-eval interpreter at {python}"
-        raise EvalError(msg, hint=SETUP_HINT)
+        raise EvalError(msg, hint=setup_hint(python))
 
 
 def run_harness(argv: tuple[str, ...], task: str, out_dir: Path, *, deadline_s: float,

@@ -20,7 +20,7 @@ from m3patch.marker_lint.lint import (
     recipe_markers,
 )
 from m3patch.patching.locate import find_vllm
-from m3patch.patching.pristine import DONE_MARK, cache_root, pristine_tree
+from m3patch.patching.pristine import cached_tree, pristine_tree
 from m3patch.patching.series import Series, base_version, load_series
 from m3patch.recipe.loader import Recipe
 
@@ -38,8 +38,7 @@ class LintResult:
 
 def cached_pristine(version: str, dist: str = "vllm") -> Path | None:
     """The cached pristine tree, or None (a check that only runs 'when a tree is at hand')."""
-    root = cache_root() / f"tree-{dist}-{version}"
-    return root if path_is(root / DONE_MARK, "file") else None
+    return cached_tree(version, dist)
 
 
 def installed_tree(recipe: Recipe) -> Path | None:

@@ -19,7 +19,7 @@ from typing import Literal
 
 from m3patch.errors import MarkerUnprintable
 from m3patch.marker_lint.cache import tree_sources
-from m3patch.marker_lint.printable import anchors, can_print, regex_literals
+from m3patch.marker_lint.printable import anchors, can_print, regex_run
 from m3patch.marker_lint.sources import Source, file_sources
 from m3patch.markers import MarkerSpec, merge_markers
 from m3patch.patching.diffs import parse_patch, safe_target
@@ -76,28 +76,47 @@ class TextIndex:
                 at = self._blob.find(anchor, at + 1)
         return found
 
-    def printers(self, text: str) -> list[Source]:
+    def printers(self, text: str, edges: tuple[int, int] = (0, 0)) -> list[Source]:
         """The texts that can print `text`, each word a wildcard would have to supply proven
         by the tree (see `unproven`)."""
-        return [s for s in self.wildcard_printers(text) if not self.unproven(s, text)]
+        return [s for s in self.wildcard_printers(text) if not self.unproven(s, text, edges)]
 
     def wildcard_printers(self, text: str) -> list[Source]:
         return [self.sources[i] for i in sorted(self._candidates(text))
                 if can_print(self.sources[i].template, text)]
 
-    def unproven(self, source: Source, text: str) -> list[str]:
-        """Words of `text` inside the marker (not at its edges, where a marker may cut a value)
+    def unproven(self, source: Source, text: str, edges: tuple[int, int] = (0, 0)) -> list[str]:
+        r"""Words of `text` inside the marker (not at its edges, where a marker may cut a value)
         that `source`'s literal text lacks, so a wildcard would supply them, and that no text
         of the tree names: a wildcard stands for a value, it never proves a specific one
-        (`Using %s MoE backend` does not prove `Using CPUUnquantisedExperts MoE backend`)."""
+        (`Using %s MoE backend` does not prove `Using CPUUnquantisedExperts MoE backend`).
+        `edges`: the word characters at each edge that a regex glues onto a class (`\w+Zz`):
+        only the template's literal text, or a word of the tree that ends (starts) so, proves
+        them."""
         literal = "".join(p for p in source.template if isinstance(p, str))
         out = []
+        lead, trail = edges
+        if lead and not can_print(source.template, text, (lead, 0)) and \
+                not self.names_part(text[:lead], at_end=True):
+            out.append(text[:lead])
         for match in _WORD.finditer(text):
             word = match.group()
             inside = match.start() > 0 and match.end() < len(text)
             if inside and word not in literal and not self.names(word):
                 out.append(word)
+        if trail and not can_print(source.template, text, (0, trail)) and \
+                not self.names_part(text[len(text) - trail:], at_end=False):
+            out.append(text[len(text) - trail:])
         return out
+
+    def names_part(self, part: str, *, at_end: bool) -> bool:
+        """Whether some word of the tree ends (`at_end`) or starts with `part`."""
+        key = f"{'end' if at_end else 'start'}:{part}"
+        if key not in self._named:
+            pattern = (rf"{re.escape(part)}(?![A-Za-z0-9_])" if at_end
+                       else rf"(?<![A-Za-z0-9_]){re.escape(part)}")
+            self._named[key] = re.search(pattern, self._blob) is not None
+        return self._named[key]
 
     def names(self, word: str) -> bool:
         """Whether some text of the tree holds `word` as a whole word (a class, a literal)."""
@@ -182,17 +201,18 @@ def lint_marker(index: TextIndex, marker: MarkerSpec, context: str,
                 platforms: tuple[str, ...]) -> list[Finding]:
     text = marker.text
     pattern = marker.regex
+    edges = (0, 0)
     if pattern is not None:
-        literal = regex_literals(pattern)
-        if literal is None:
+        run = regex_run(pattern)
+        if run is None:
             return [Finding("note", marker, context,
                             "regex without a literal run; not provable, not checked")]
-        text = literal
+        text, edges = run.text, run.edge_fragments()
     if _runtime_source(text) is not None:
         return []
-    printers = index.printers(text)
+    printers = index.printers(text, edges)
     if not printers and (loose := index.wildcard_printers(text)):
-        words = index.unproven(loose[0], text)
+        words = index.unproven(loose[0], text, edges)
         near = index.nearest_names(words[0])
         hint = f" Perhaps you meant: {', '.join(repr(n) for n in near)}" if near else ""
         return [Finding("error", marker, context,

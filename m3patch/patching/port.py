@@ -17,6 +17,7 @@ post-image. A conflict's `new_line` is the new vLLM's line (before this patch's 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,8 @@ from m3patch.patching.diffs import FilePatch, Hunk, PatchFile
 HunkOutcome = Literal["clean", "offset", "upstream", "conflict"]
 PatchOutcome = Literal["clean", "offset", "partly-upstream", "fully-upstream", "conflict"]
 CONTEXT_LINES = 3
+_RANGES = re.compile(r"@@ -(?P<old>\d+)(?P<old_len>,\d+)? \+(?P<new>\d+)(?P<new_len>,\d+)? @@"
+                     r"(?P<rest>.*)$")
 REGION_PAD = 2  # lines shown around a conflict's new upstream region
 
 
@@ -118,16 +121,35 @@ def closest_region(lines: list[str], want: tuple[str, ...], expected: int) -> in
     return best
 
 
+def renumber(header: str, old_first: int, new_first: int) -> str:
+    """A `@@ -a,b +c,d @@` header of a diff between two excerpts, its line numbers made the
+    files' own: the excerpts start at file lines `old_first` and `new_first` (1-based)."""
+    match = _RANGES.match(header)
+    if match is None:
+        return header
+    old, new = int(match["old"]) + old_first - 1, int(match["new"]) + new_first - 1
+    return f"@@ -{old}{match['old_len'] or ''} +{new}{match['new_len'] or ''} @@{match['rest']}"
+
+
+def region_diff(old: Sequence[str], old_first: int, new: Sequence[str],
+                new_first: int) -> tuple[str, ...]:
+    """What changed from the `old` to the `new` excerpt, numbered by the files' lines."""
+    lines = [line.rstrip("\n") for line in difflib.unified_diff(
+        list(old), list(new), "old upstream", "new upstream", n=1)][2:]
+    return tuple(renumber(line, old_first, new_first) if line.startswith("@@") else line
+                 for line in lines)
+
+
 def _conflict(lines: list[str], hunk: Hunk, expected: int, why: str, placed: int = 0) -> Conflict:
     """`placed`: lines the earlier placed hunks of this file added, so the reported line is
     the new vLLM's own line number."""
     start = closest_region(lines, hunk.old_lines, expected)
     end = min(len(lines), start + len(hunk.old_lines))
     new_region = tuple(lines[start:end])
-    changed = tuple(line.rstrip("\n") for line in difflib.unified_diff(
-        list(hunk.old_lines), list(new_region), "old upstream", "new upstream", n=1))[2:]
+    new_line = start + 1 - placed
+    changed = region_diff(hunk.old_lines, hk.old_index(hunk) + 1, new_region, new_line)
     return Conflict(why, hunk_lines(hunk), tuple(x.rstrip("\n") for x in hunk.old_lines),
-                    tuple(x.rstrip("\n") for x in new_region), start + 1 - placed, changed)
+                    tuple(x.rstrip("\n") for x in new_region), new_line, changed)
 
 
 def _place(lines: list[str], hunk: Hunk, expected: int, floor: int) -> tuple[HunkOutcome, int, str]:

@@ -10,6 +10,7 @@ leaves OUT with the report and an INCOMPLETE file, never a series.yaml that woul
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -21,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from m3patch.errors import M3PatchError, PortConflict, UsageError
+from m3patch.errors import M3PatchError, PortConflict, TreeIOError, UsageError
 from m3patch.fsio import owned_dir, write_bytes_atomic, write_json_atomic
 from m3patch.patching.api import apply_series, verify_tree
 from m3patch.patching.diffs import parse_patch, safe_target
@@ -127,8 +128,17 @@ def prove(ported: Series, new_root: Path, lint: MarkerLint) -> None:
     lint(ported, new_root)
 
 
+def _out_error(out: Path, exc: OSError, what: str) -> TreeIOError:
+    msg = f"{out}: {what} ({exc.strerror or exc})"
+    return TreeIOError(msg, hint=f"pass --out a new folder in a folder you can write (check "
+                                 f"`ls -ld {out.parent}`), or make {out.parent} writable")
+
+
 def _incomplete(out: Path, doc: dict[str, Any], markdown: str, why: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _out_error(out, exc, "the port's output folder cannot be made") from None
     _write_report(out, doc, markdown)
     write_bytes_atomic(out / INCOMPLETE, (why.rstrip() + "\n").encode("utf-8"))
 
@@ -161,13 +171,10 @@ def port_series(src: Path, new_root: Path, out: Path | None, *, command: str, li
     markdown = report_markdown(doc, plan)
     if out is None:
         return PortResult(plan, doc, markdown, new_id, None)
-    if out.is_symlink():  # renamed over at the end: never a link (UnsafeState, exit 34)
-        owned_dir(out)
-    _clear_incomplete(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        msg = f"{out}: exists and is not empty"
-        raise UsageError(msg, hint="pass a new --out folder (the port never overwrites; it "
-                         "replaces only the report of an earlier incomplete port)")
+    try:
+        _prepare_out(out)
+    except OSError as exc:
+        raise _out_error(out, exc, "the port's output folder cannot be made or written") from None
     if plan.conflicts:
         hunks = [f"{p.id}: {f.path} hunk {h.index}" for p in plan.conflicts for f in p.files
                  for h in f.hunks if h.outcome == "conflict"]
@@ -187,10 +194,38 @@ def port_series(src: Path, new_root: Path, out: Path | None, *, command: str, li
     except M3PatchError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         doc = {**doc, "status": "proof-failed", "proof-error": str(exc)}
-        _incomplete(out, doc, report_markdown(doc, plan), f"the proof failed: {exc}")
+        with contextlib.suppress(TreeIOError):  # the error that stopped the port is the one told
+            _incomplete(out, doc, report_markdown(doc, plan), f"the proof failed: {exc}")
         raise
     _write_report(staging, doc, markdown)
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+    _move_into_place(staging, out)
     return PortResult(plan, doc, markdown, new_id, out)
+
+
+def _prepare_out(out: Path) -> None:
+    """--out is new or empty (or an earlier incomplete port's), and this user can write it: it
+    is made now (empty) and a probe folder made and removed in it, so a folder that cannot be
+    written is refused before any work. Raises OSError."""
+    if out.is_symlink():  # renamed over at the end: never a link (UnsafeState, exit 34)
+        owned_dir(out)
+    _clear_incomplete(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        msg = f"{out}: exists and is not empty"
+        raise UsageError(msg, hint="pass a new --out folder (the port never overwrites; it "
+                         "replaces only the report of an earlier incomplete port)")
+    out.mkdir(parents=True, exist_ok=True)
+    probe = out / f".m3patch-probe{os.getpid()}"
+    probe.mkdir()
+    probe.rmdir()
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """The proven folder replaces the empty --out; on failure the staged one is removed."""
+    try:
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _out_error(out, exc, f"the ported series (staged in {staging}) cannot be moved "
+                                   "into place") from None

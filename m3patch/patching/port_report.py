@@ -62,6 +62,19 @@ def _conflict_md(path: str, h: HunkPort, c: Conflict) -> list[str]:
             "```", ""]
 
 
+def _where(h: HunkPort) -> str:
+    """Where the hunk lands in the new file; for a conflict, where its closest lines are, or
+    why there are none."""
+    if h.new_line is not None:
+        return f"new line {h.new_line}"
+    c = h.conflict
+    if c is None:
+        return "no new line"
+    if c.new_region:
+        return f"no exact new line: {c.why}; closest new lines from line {c.new_line}"
+    return f"no new line: {c.why}"
+
+
 def _outcome_line(p: PatchPort) -> str:
     if p.outcome == "fully-upstream":
         ups = ", ".join(p.upstream) or "no upstream reference recorded"
@@ -91,10 +104,9 @@ def report_markdown(doc: Mapping[str, Any], plan: PortPlan) -> str:
         lines += [f"### {p.id} ({p.file}): {p.outcome}", ""]
         for f in p.files:
             for h in f.hunks:
-                where = "—" if h.new_line is None else f"new line {h.new_line}"
                 shift = f", offset {h.offset:+d}" if h.offset else ""
                 lines.append(f"- {f.path} hunk {h.index} (old line {h.old_line}): "
-                             f"{h.outcome}, {where}{shift}")
+                             f"{h.outcome}, {_where(h)}{shift}")
         lines.append("")
         for f in p.files:
             for h in f.hunks:

@@ -1,29 +1,37 @@
 """Pristine vLLM trees from the published wheels, for `series lock`, tests and benchmarks.
 
 The wheel is fetched once with pip into a cache outside any repo; only its `.py`/`.json`
-files (plus dist-info) are extracted, each checked against the wheel's RECORD hash, so a
-corrupted or edited cache is detected rather than trusted.
+files (plus dist-info) are extracted, each checked against the wheel's RECORD hash. A cached
+tree is checked again before it is used (every file RECORD lists, at its hash; no file RECORD
+does not list; RECORD itself equal to the cached wheel's): an edited or corrupted cache is rebuilt
+from the wheel, never trusted. The check is stamped (every file's inode, size, mtime and ctime),
+so a warm tree costs one walk of stats, not one hash of 60 MB.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import hashlib
 import io
+import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from m3patch.errors import TreeIOError, UnsafeState, VllmNotFound
-from m3patch.fsio import path_is, resolve_way, trusted_dir
+from m3patch.errors import M3PatchError, TreeIOError, UnsafeState, VllmNotFound
+from m3patch.fsio import path_is, read_state, resolve_way, trusted_dir, write_cache_bytes
 from m3patch.output import info, warn
+from m3patch.patching import memo
 
 KEEP_SUFFIXES = (".py", ".json")
 DONE_MARK = ".m3patch-pristine-ok"
+STAMPS = "pristine-verified"  # cache folder: per tree, the stats of its files at its last pass
 
 
 REFUSED_CACHE = Path(os.devnull, "m3patch-cache-not-used")  # below a device: nothing is there
@@ -103,6 +111,11 @@ def download_wheel(dist: str, version: str) -> Path:
     return wheel
 
 
+def _kept(name: str) -> bool:
+    """What the extraction keeps of a wheel: the tree's sources and data, and its dist-info."""
+    return name.endswith(KEEP_SUFFIXES) or ".dist-info/" in name
+
+
 def _extract_checked(wheel: Path, dest: Path) -> int:
     with zipfile.ZipFile(wheel) as zf:
         record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
@@ -111,8 +124,7 @@ def _extract_checked(wheel: Path, dest: Path) -> int:
         count = 0
         for info in zf.infolist():
             name = info.filename
-            keep = name.endswith(KEEP_SUFFIXES) or ".dist-info/" in name
-            if not keep or name.endswith("/"):
+            if not _kept(name) or name.endswith("/"):
                 continue
             data = zf.read(info)
             if name in digests and _record_digest(data) != digests[name]:
@@ -125,22 +137,178 @@ def _extract_checked(wheel: Path, dest: Path) -> int:
     return count
 
 
-def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
-    """A file of the cached pristine tree, or None when that tree is not cached (read-only
-    reports never download) or the file cannot be read."""
-    root = cache_root() / f"tree-{dist}-{version}"
+# ---- a cached tree, checked before it is used ---------------------------------------------------
+
+def _record_of(root: Path) -> Path | None:
+    records = sorted(root.glob("*.dist-info/RECORD"))
+    return records[0] if len(records) == 1 else None
+
+
+def _record_rows(record: Path) -> dict[str, str]:
+    """RECORD's names the extraction keeps, with their digests ("" where RECORD gives none: the
+    RECORD itself)."""
+    with record.open(encoding="utf-8", newline="") as fh:
+        return {row[0]: (row[1] if len(row) > 1 else "") for row in csv.reader(fh)
+                if row and _kept(row[0])}
+
+
+def _holds(path: Path, digest: str) -> bool:
+    """`path` is a regular file (not a link) whose bytes have this RECORD digest."""
     try:
-        return (root / path).read_bytes() if path_is(root / DONE_MARK, "file") else None
+        return (not path.is_symlink() and path_is(path, "file")
+                and _record_digest(path.read_bytes()) == digest)
     except OSError:
+        return False
+
+
+def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
+    """Every file and link under root (posix path, lstat), in a stable order; bytecode Python
+    wrote beside the sources aside, its temporary names too (importing the tree writes it, even
+    while this runs; the sources are what is checked)."""
+    found: list[tuple[str, os.stat_result]] = []
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        with os.scandir(root / prefix) as listing:
+            for entry in listing:
+                rel = prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(rel + "/")
+                elif not (prefix.endswith("__pycache__/") and ".pyc" in entry.name):
+                    with contextlib.suppress(FileNotFoundError):  # gone since listed
+                        found.append((rel, entry.stat(follow_symlinks=False)))
+    return sorted(found, key=lambda item: item[0])
+
+
+def _stats_key(entries: list[tuple[str, os.stat_result]]) -> str:
+    """What a pass is stamped with. ctime too: an edit in place that restores the mtime still
+    changes it, and no user can set it back."""
+    h = hashlib.sha256()
+    for rel, st in entries:
+        h.update(f"{rel}\0{st.st_dev}:{st.st_ino}:{st.st_mode}:{st.st_size}:"
+                 f"{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _wheel_record(root: Path, record: Path) -> bytes | None:
+    """The RECORD of the cached wheel this tree was extracted from (DONE_MARK names it), or
+    None when that wheel is not at hand: the tree's own RECORD is then what is checked against."""
+    try:
+        name = read_state(root / DONE_MARK, 4096).decode("utf-8").strip()
+        if "/" in name or not name.endswith(".whl"):
+            return None
+        with zipfile.ZipFile(root.parent / "wheels" / name) as zf:
+            return zf.read(record.relative_to(root).as_posix())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
 
 
+def tree_problems(root: Path, entries: list[tuple[str, os.stat_result]]) -> list[str]:
+    """Why root is not its wheel's tree (empty: it is): a file RECORD lists that is missing or
+    differs from its hash, a file or link RECORD does not list, a RECORD not the wheel's."""
+    record = _record_of(root)
+    if record is None:
+        return ["no single *.dist-info/RECORD"]
+    try:
+        rows = _record_rows(record)
+        data = record.read_bytes()
+    except (OSError, ValueError) as exc:
+        return [f"{record.name} unreadable ({exc})"]
+    bad = [name for name, digest in rows.items() if digest and not _holds(root / name, digest)]
+    bad += [f"{rel} (not in RECORD)" for rel, st in entries
+            if (rel not in rows and rel != DONE_MARK) or stat.S_ISLNK(st.st_mode)]
+    wheel_record = _wheel_record(root, record)
+    if wheel_record is not None and wheel_record != data:
+        bad.append(f"{record.relative_to(root).as_posix()} (not the wheel's)")
+    return bad
+
+
+def check_cached_tree(root: Path) -> list[str]:
+    """`tree_problems` of a cached tree, skipped while every file is as at the last pass (the
+    stamp); a pass is stamped, best effort (an unwritable cache only costs the next check)."""
+    try:
+        entries = _entries(root)
+    except OSError as exc:
+        return [f"{root} cannot be listed ({exc.strerror or exc})"]
+    key = _stats_key(entries)
+    stamp = root.parent / STAMPS / f"{root.name}.json"  # not in the tree: copies never carry it
+    try:
+        if json.loads(read_state(stamp, 4096)).get("stats") == key:
+            return []
+    except (OSError, ValueError, AttributeError):
+        pass  # no stamp, or not one this code wrote: checked in full
+    problems = tree_problems(root, entries)
+    if not problems and memo.writes_allowed():  # a read-only command never writes, not even this
+        with contextlib.suppress(M3PatchError, OSError):
+            write_cache_bytes(root.parent, stamp,
+                              json.dumps({"schema": 1, "stats": key}).encode(), durable=False)
+    return problems
+
+
+def _listed(problems: list[str]) -> str:
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return ", ".join(problems[:3]) + more
+
+
+def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
+    """A file of the cached pristine tree, or None when that tree is not cached (read-only
+    reports never download), the file cannot be read or is not at its RECORD hash (an edited
+    cache is never taken for pristine)."""
+    root = cache_root() / f"tree-{dist}-{version}"
+    record = _record_of(root) if path_is(root / DONE_MARK, "file") else None
+    try:
+        digest = _record_rows(record).get(path, "") if record is not None else ""
+        data = (root / path).read_bytes() if digest else None
+    except (OSError, ValueError):
+        return None
+    return data if data is not None and _record_digest(data) == digest else None
+
+
+def cached_tree(version: str, dist: str = "vllm") -> Path | None:
+    """The cached pristine tree when it is still its wheel's; an edited one is rebuilt from the
+    cached wheel, and without that wheel it is not used (None: read-only reports never
+    download)."""
+    root = cache_root() / f"tree-{dist}-{version}"
+    if not path_is(root / DONE_MARK, "file"):
+        return None
+    problems = check_cached_tree(root)
+    if not problems:
+        return root
+    if _find_wheel(root.parent / "wheels", dist, version) is None:
+        warn(f"the cached pristine tree {root} is not its wheel's ({_listed(problems)}); not "
+             f"used (`m3patch series lock --series SERIES --pristine` rebuilds it)")
+        return None
+    return pristine_tree(version, dist)
+
+
+def _discard(root: Path, problems: list[str]) -> None:
+    """Move a cached tree that failed its check out of the way, then delete it."""
+    warn(f"the cached pristine tree {root} is not its wheel's ({_listed(problems)}); "
+         "rebuilding it from the wheel")
+    aside = root.with_name(f"{root.name}.bad{os.getpid()}")
+    try:
+        root.rename(aside)
+    except FileNotFoundError:
+        return  # another run moved it first
+    except OSError as exc:
+        msg = (f"{root}: the cached pristine tree is not its wheel's and cannot be moved aside "
+               f"({exc.strerror or exc})")
+        raise TreeIOError(msg, hint=f"rm -rf {root}, then re-run the same command") from None
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def pristine_tree(version: str, dist: str = "vllm") -> Path:
-    """Root (the directory containing `vllm/`) of a pristine extracted tree; cached."""
+    """Root (the directory containing `vllm/`) of a pristine extracted tree; cached, and
+    checked against its wheel's RECORD each time it is used (rebuilt when it fails)."""
     root = writable_cache_root() / f"tree-{dist}-{version}"
     if path_is(root / DONE_MARK, "file"):
-        return root
-    wheel = download_wheel(dist, version)
+        problems = check_cached_tree(root)
+        if not problems:
+            return root
+        wheel = download_wheel(dist, version)  # first: without a wheel the tree is kept to read
+        _discard(root, problems)
+    else:
+        wheel = download_wheel(dist, version)
     staging = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -152,23 +320,20 @@ def pristine_tree(version: str, dist: str = "vllm") -> Path:
         shutil.rmtree(staging, ignore_errors=True)  # a concurrent run won the race
         if not path_is(root / DONE_MARK, "file"):
             raise
+    problems = check_cached_tree(root)  # stamps the new tree
+    if problems:  # fresh from the wheel: the wheel itself is not what its RECORD says
+        msg = f"{root}: fresh from {wheel.name}, yet not its RECORD's tree ({_listed(problems)})"
+        raise TreeIOError(msg, hint=f"delete {wheel} and {root}, then retry")
     return root
 
 
 def verify_against_record(root: Path) -> list[str]:
     """Paths under root whose bytes differ from the wheel's RECORD (empty list = pristine)."""
-    records = list(root.glob("*.dist-info/RECORD"))
-    if not records:
+    record = _record_of(root)
+    if record is None:
         return ["<no RECORD>"]
-    bad: list[str] = []
-    with records[0].open(encoding="utf-8") as fh:
-        for row in csv.reader(fh):
-            if len(row) < 2 or not row[1] or not row[0].endswith(KEEP_SUFFIXES):
-                continue
-            path = root / row[0]
-            if not path.is_file() or _record_digest(path.read_bytes()) != row[1]:
-                bad.append(row[0])
-    return bad
+    return [name for name, digest in _record_rows(record).items()
+            if digest and not _holds(root / name, digest)]
 
 
 def copy_tree(src: Path, dest: Path) -> Path:

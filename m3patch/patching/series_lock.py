@@ -210,9 +210,8 @@ class LockWritten:
     files: int
 
 
-def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
-    """Pin `series` on the pristine `tree` (its target version) and write series.lock.json;
-    with `cli_spec` (the launch spec generated from the same tree) write it and pin its hash."""
+def pin_series(series: SeriesLike, tree: VllmTree) -> tuple[PatchPin, ...]:
+    """The pins of `series` on the pristine `tree` (its target version); writes nothing."""
     check_target(tree, series.target_version, series.target_commit)
     patches = []
     for entry in series.patches:
@@ -225,19 +224,31 @@ def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = Non
         target = safe_target(tree.root, rel)
         pristine[rel] = target.read_bytes() if target.is_file() else None
     try:
-        pins = compute_pins(patches, pristine)
+        return compute_pins(patches, pristine)
     except PatchConflict as exc:  # `status` needs the lock this run could not write
         hint = (f"regenerate the patch against the pristine vLLM {tree.version} tree, or see "
                 f"every hunk with `m3patch series port {series.directory} --tree {tree.root} "
                 "--out NEW_DIR`")
         raise PatchConflict(exc.message, hint=hint) from None
+
+
+def write_lock(series: SeriesLike, tree: VllmTree, pins: Sequence[PatchPin],
+               cli_spec: bytes | None = None) -> LockWritten:
+    """Write series.lock.json of `pins` (from `pin_series` on `tree`); with `cli_spec` (the
+    launch spec generated from the same tree) write it and pin its hash."""
     spec = None
     if cli_spec is not None:
         write_bytes_atomic(series.directory / CLI_SPEC, cli_spec)
         spec = SpecPin(CLI_SPEC, digest(cli_spec))
     path = series.directory / LOCK
     write_json_atomic(path, _lock_body(series, tree, pins, spec))
-    return LockWritten(path, len(pins), len(paths))
+    return LockWritten(path, len(pins), len({f.path for p in pins for f in p.files}))
+
+
+def lock_series(series: SeriesLike, tree: VllmTree, cli_spec: bytes | None = None) -> LockWritten:
+    """Pin `series` on the pristine `tree` and write series.lock.json (`pin_series`, then
+    `write_lock`)."""
+    return write_lock(series, tree, pin_series(series, tree), cli_spec)
 
 
 # ---- use: the lock checked against the .patch bytes --------------------------------------------

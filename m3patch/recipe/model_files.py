@@ -209,7 +209,9 @@ def missing_message(recipe: Recipe, missing: list[Presence]) -> str:
 def fix_hint(recipe: Recipe, missing: list[Presence]) -> str:
     if all(p.need.is_local for p in missing):
         folder = missing[0].need.source
-        return f"python scripts/setup/make_tiny_model.py {folder}  (or fix {missing[0].need.key})"
+        key = missing[0].need.key
+        return (f"put the model folder (with its config.json) at {folder}, or point {key} at "
+                f"one; a hub id there is fetched by `{fetch_command(recipe)}`")
     return fetch_command(recipe)
 
 

@@ -237,13 +237,17 @@ class RunPipeline:
         self.server: ServerHandle | None = None
         self._held = contextlib.ExitStack()  # the ServeSession, from serve to the end of sweep
         self.warnings: list[dict[str, object]] = []  # `warn` markers of every server started
+        self._made_run_dir: Path | None = None  # the run folder, when this run created it
 
     def __enter__(self) -> RunPipeline:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._held.close()
+        try:
+            self._held.close()
+        finally:
+            self._drop_unused_run_dir()
 
     @property
     def planned(self) -> RunPlan:
@@ -278,7 +282,6 @@ class RunPipeline:
 
     def load(self) -> StepDone:
         self.plan = plan_run(self.spec)
-        self.plan.run_dir.mkdir(parents=True, exist_ok=True)
         where = f"{self.plan.recipe.name} (series {self.plan.recipe.series_dir}"
         scenario = self.plan.recipe.sweep.agentic
         if scenario is not None and self.plan.source is not ServerSource.NONE:
@@ -302,7 +305,21 @@ class RunPipeline:
                 and self.spec.command is not RunCommand.BENCH):
             # Before any server time: lm-eval installed, every eval dataset cached (offline).
             preflight(self.plan.recipe.eval, self.plan.recipe.path)
+        self._make_run_dir(self.plan.run_dir)  # only now: a refused run leaves no folder behind
         return StepDone(where + ")")
+
+    def _make_run_dir(self, run_dir: Path) -> None:
+        if not run_dir.is_dir():
+            self._made_run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _drop_unused_run_dir(self) -> None:
+        """The run folder this run made, when a later step failed before writing anything into
+        it: an empty folder would pass for a run (`bench --resume` looks for the newest)."""
+        if self._made_run_dir is None:
+            return
+        with contextlib.suppress(OSError):  # not empty (or gone): it is the run's, kept
+            self._made_run_dir.rmdir()
 
     def _kv_offload(self, group: ServerGroup) -> KvOffload | None:
         """The KV-offload tier of an agentic group's cells (one tier per server form)."""

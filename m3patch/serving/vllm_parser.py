@@ -30,11 +30,12 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -58,7 +59,7 @@ from m3patch.serving.cli_spec import (
     spec_document,
 )
 from m3patch.serving.processes import StopRung, start_group, stop_group
-from m3patch.serving.switches import switch_findings
+from m3patch.serving.switches import recipe_switch_findings, shell_switch_findings
 
 PROBE_SOURCE = Path(__file__).with_name("vllm_cli_probe.py")
 RESULT_PREFIX = "M3PATCH_PROBE_JSON: "
@@ -209,11 +210,22 @@ def env_findings(env: tuple[tuple[str, str], ...], known: frozenset[str], versio
     may be (`VLLM_ATTENTION_BACKEND` is the option `--attention-backend` in this vLLM)."""
     out = []
     for name, _value in env:
-        if name.startswith("VLLM_") and name not in known:
+        if name.upper().startswith("VLLM_") and name != name.upper():
+            out.append(_case_finding(name, known, version))
+        elif name.startswith("VLLM_") and name not in known:
             hint = suggest(name, known) or _option_for_env(name, actions)
             out.append(f"env.{name}: vLLM {version} has no such variable (it would only warn "
                        f"'Unknown vLLM environment variable detected' and ignore it).{hint}")
     return out
+
+
+def _case_finding(name: str, known: frozenset[str], version: str) -> str:
+    """Environment names are case-sensitive and vLLM's are all upper case: vLLM neither reads
+    `vllm_x` nor warns about it (its unknown-variable check looks at `VLLM_*` only)."""
+    upper = name.upper()
+    near = f" Perhaps you meant {upper!r}?" if upper in known else suggest(upper, known)
+    return (f"env.{name}: vLLM's environment variables are upper case; vLLM {version} reads no "
+            f"{name!r} (it would be ignored without a warning).{near}")
 
 
 def _option_for_env(name: str, actions: ParserActions | None) -> str:
@@ -458,12 +470,21 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def _refuse(recipe: Recipe, findings: list[str]) -> None:
-    if findings:
-        lines = "\n".join(f"  - {f}" for f in findings)
-        msg = f"{recipe.path}: vLLM would not run this launch as written:\n{lines}"
-        raise LaunchRejected(msg, hint=f"fix those keys in {recipe.path}; re-check with "
-                                       f"`m3patch serve {recipe.path} --dry-run`")
+def _refuse(recipe: Recipe, findings: list[str], shell: Sequence[tuple[str, str]] = ()) -> None:
+    """LaunchRejected with every finding; the fix names where each came from: the recipe's
+    keys, or the shell variables the server would inherit (the recipe never held those)."""
+    if not findings and not shell:
+        return
+    lines = "\n".join(f"  - {f}" for f in [*findings, *(line for _, line in shell)])
+    what = "as written" if findings else "from this shell (its environment)"
+    msg = f"{recipe.path}: vLLM would not run this launch {what}:\n{lines}"
+    fixes = [f"fix those keys in {recipe.path}"] if findings else []
+    if shell:
+        names = sorted({name for name, _ in shell})
+        fixes.append(f"correct or unset {', '.join(names)} in the shell "
+                     f"(`unset {' '.join(names)}`)")
+    raise LaunchRejected(msg, hint=f"{'; '.join(fixes)}; re-check with "
+                                   f"`m3patch serve {recipe.path} --dry-run`")
 
 
 def _static_findings(recipe: Recipe, spec: CliSpec | None) -> tuple[list[str], str]:
@@ -498,19 +519,47 @@ def _target_tree(python: str) -> tuple[VllmTree | None, str]:
         return None, exc.message.splitlines()[0]
 
 
-def _version_gate(tree: VllmTree, series: Series, python: str, other_vllm: bool) -> None:
-    """The interpreter's vLLM must be what the series targets (apply would refuse it too)."""
+def _mismatch(tree: VllmTree, series: Series, python: str) -> str | None:
+    """Why `python`'s vLLM is not the series' target (None when it is)."""
     try:
         check_target(tree, series.target_version, series.target_commit)
     except VersionMismatch as exc:
-        if not other_vllm:
-            msg = (f"{python} imports vLLM {tree.version}, but the recipe's series {series.id} "
-                   f"targets vLLM {series.target_version}: {exc.message}")
-            raise VersionMismatch(msg, hint=f"pass --python with a vLLM {series.target_version} "
-                                  "interpreter (or none, to check against the series' spec); "
-                                  "--allow-other-vllm checks with this one anyway") from None
-        warn(f"{python} imports vLLM {tree.version}, not the series' target "
-             f"{series.target_version} (--allow-other-vllm): checked by both")
+        return (f"{python} imports vLLM {tree.version}, but the recipe's series {series.id} "
+                f"targets vLLM {series.target_version}: {exc.message}")
+    return None
+
+
+def _mismatch_hint(recipe: Recipe, series: Series, python: str, real_launch: bool) -> str:
+    want = f"pass --python with a vLLM {series.target_version} interpreter"
+    if real_launch:
+        # apply patches only the series' target vLLM, so a launch has no flag to take another:
+        # the hint names the one command that checks this launch with it anyway.
+        return (f"{want}; to check this launch with this one anyway: m3patch serve "
+                f"{shlex.quote(str(recipe.path))} --dry-run --python {shlex.quote(python)} "
+                "--allow-other-vllm")
+    return (f"{want} (or none, to check against the series' spec); "
+            "--allow-other-vllm checks with this one anyway")
+
+
+def _version_gate(recipe: Recipe, tree: VllmTree, series: Series, python: str,
+                  other_vllm: bool, real_launch: bool) -> None:
+    """The interpreter's vLLM must be what the series targets (apply would refuse it too)."""
+    why = _mismatch(tree, series, python)
+    if why is None:
+        return
+    if not other_vllm:
+        hint = _mismatch_hint(recipe, series, python, real_launch)
+        raise VersionMismatch(why, hint=hint)
+    warn(f"{python} imports vLLM {tree.version}, not the series' target "
+         f"{series.target_version} (--allow-other-vllm): checked by both")
+
+
+def other_vllm_note(recipe: Recipe, python: str) -> str | None:
+    """For a command that only shows a launch: why `python` could not serve it (its vLLM is not
+    the series' target), as the launch check would refuse it; None when it could, or when it
+    imports no vLLM to tell."""
+    tree, _ = _target_tree(python)
+    return None if tree is None else _mismatch(tree, load_series(recipe.series_dir), python)
 
 
 def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = None, *,
@@ -528,17 +577,18 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
     env = dict(os.environ) if env is None else env
     series = load_series(recipe.series_dir)
     spec = series_spec(series)
-    findings = switch_findings(recipe.env, env, series.switches)
+    findings = recipe_switch_findings(recipe.env, series.switches)
+    shell = shell_switch_findings(recipe.env, env, series.switches)
     tree, why = (None, "") if not spawn else (located, "") if located else _target_tree(python)
     dump: dict[str, Any] = {}
     if tree is not None:
-        _version_gate(tree, series, python, other_vllm)
+        _version_gate(recipe, tree, series, python, other_vllm, real_launch=defer)
         argv = list(recipe.serve_args())
         path = _verdict_path(python, tree, argv, env)
         cached = _cached_verdict(path, tree)
         if cached is None and defer and not other_vllm:
             static, checked_by = _static_findings(recipe, spec)
-            _refuse(recipe, findings + static)
+            _refuse(recipe, findings + static, shell)
             return LaunchCheck(f"{checked_by}; vLLM {tree.version}'s own parser ({python}) "
                                "answers alongside the start", vllm_parser=True, tree=tree,
                                parser_owed=True)
@@ -552,12 +602,12 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
         static, checked_by = _static_findings(recipe, spec)
         findings += static
     if tree is None:
-        _refuse(recipe, findings)
+        _refuse(recipe, findings, shell)
         if spawn:
             info(f"not checked by vLLM's parser here: {why}; checked against {checked_by}")
         return LaunchCheck(checked_by + (f"; {why}" if why else ""), vllm_parser=False)
     findings += _probe_findings(recipe, python, tree, dump)
-    _refuse(recipe, findings)
+    _refuse(recipe, findings, shell)
     return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True,
                        tree=tree)
 

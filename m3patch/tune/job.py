@@ -18,7 +18,7 @@ import torch
 import triton
 
 from m3patch.errors import BenchFailed, RunDeadline, UsageError
-from m3patch.fsio import write_json_atomic
+from m3patch.fsio import write_output_json
 from m3patch.output import info
 from m3patch.tune import compile_pool
 from m3patch.tune.cache import ResultCache
@@ -196,7 +196,6 @@ def run_check(spec: CheckSpec) -> list[Judgement]:
            "torch": torch.__version__, "triton": triton.__version__, "date": _utc_now(),
            "command": spec.command, "kernel_origin": source.origin,
            "rounds": str(spec.rounds), "reps": str(spec.reps)}
-    spec.json_path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(spec.json_path, report(spec.table, spec.shape,
-                                             routing.describe(spec.shape), judgements, env))
+    write_output_json(spec.json_path, report(spec.table, spec.shape, routing.describe(spec.shape),
+                                             judgements, env), flag="--json-file")
     return judgements

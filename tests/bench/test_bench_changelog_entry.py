@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,79 @@ def test_an_inferencex_row_as_new_has_no_recipe_to_name(
     row = REPO / "tests" / "data" / "bench" / "inferencex" / "agg_isl32-osl16-c4.json"
     assert main(["bench", "compare", str(RUNS / "base"), str(row), "--changelog-entry"]) == 2
     assert "names no m3patch recipe" in capsys.readouterr().err
+
+
+def _git_repo(root: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
+    """A git repository holding `files` and no recipes/ (as an InferenceX checkout), committed;
+    the current folder."""
+    for var in ("GITHUB_ACTIONS", "GITHUB_REPOSITORY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for who in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{who}_NAME", "t")
+        monkeypatch.setenv(f"GIT_{who}_EMAIL", "t@example.invalid")
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+    monkeypatch.chdir(root)
+
+
+def _append_entry_and_check(capsys: pytest.CaptureFixture[str], new: Path) -> tuple[int, str]:
+    """The README's flow: `bench compare ... --changelog-entry >> perf-changelog.yaml`, then
+    `changelog check --base HEAD`."""
+    entry = _entry(capsys, RUNS / "base", new)
+    with Path("perf-changelog.yaml").open("a") as changelog:
+        changelog.write(entry)
+    code = main(["changelog", "check", "--base", "HEAD", "--repo", "acme/inferencex"])
+    return code, capsys.readouterr().err
+
+
+def test_the_inferencex_flow_passes_in_a_checkout_without_recipes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No recipes/ here: the entry names the recipe m3patch ships, which this checkout runs
+    (`m3patch bench cpu_tiny_moe`). Before: 16, "matches no recipe under recipes/"."""
+    _git_repo(tmp_path, monkeypatch, {"perf-changelog.yaml": entry_text("a-config")})
+    code, err = _append_entry_and_check(capsys, RUNS / "new")
+    assert code == 0, err
+
+
+def test_the_entry_names_the_config_entry_an_inferencex_checkout_accepts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NEW's recipe states its InferenceX master-config entry: the changelog entry is keyed by
+    it, and the checkout's master configs judge the key as InferenceX's own check does."""
+    new = shutil.copytree(RUNS / "new", tmp_path / "runs" / "new")
+    data = json.loads((new / "aggregate.json").read_text())
+    data["inferencex_config_entry"] = "minimaxm3-fp8-mi300x-vllm"
+    (new / "aggregate.json").write_text(json.dumps(data))
+    checkout = tmp_path / "inferencex"
+    checkout.mkdir()
+    _git_repo(checkout, monkeypatch, {
+        "perf-changelog.yaml": entry_text("a-config"),
+        "configs/amd-master.yaml": "minimaxm3-fp8-mi300x-vllm:\n  image: x\na-config:\n  image: y\n",
+    })
+    code, err = _append_entry_and_check(capsys, new)
+    assert code == 0, err
+    assert "    - minimaxm3-fp8-mi300x-vllm\n" in Path("perf-changelog.yaml").read_text()
+    code, err = _append_entry_and_check(capsys, RUNS / "new")  # no config entry: its name
+    assert code == 16
+    assert ("'cpu_tiny_moe' is no entry of this InferenceX checkout's master configs "
+            "(configs/amd-master.yaml)") in err
+
+
+def test_a_run_records_its_recipes_inferencex_config_entry(tmp_path: Path) -> None:
+    from m3patch.bench.runner import run_meta
+    from m3patch.recipe.loader import load_recipe
+
+    meta = run_meta(load_recipe(REPO / "recipes" / "mi300x_tp8.yaml"), tmp_path, {})
+    assert meta["inferencex_config_entry"] == "minimaxm3-fp8-mi300x-vllm"
+    assert run_meta(load_recipe(REPO / "recipes" / "cpu_tiny_moe.yaml"), tmp_path,
+                    {})["inferencex_config_entry"] is None
+
+
+def entry_text(key: str) -> str:
+    return f'- config-keys:\n    - {key}\n  description:\n    - "base"\n  pr-link: XXX\n'

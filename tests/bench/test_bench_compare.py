@@ -191,3 +191,27 @@ def test_an_unknown_metric_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
         main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"), "--metric", "p42_ttft"])
     assert exit_info.value.code == 2
     assert "p42_ttft" in capsys.readouterr().err
+
+
+def test_every_metric_the_help_names_is_accepted() -> None:
+    """Before: `--help` listed std among the stats of `<stat>_intvty`, and `--metric
+    std_intvty` was refused. Every name the help builds is now a choice, and the one it
+    excludes is not."""
+    import argparse
+    import re
+
+    from m3patch.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "metric")
+    text = " ".join((action.help or "").split())
+    stats = re.search(r"<stat> one of ([a-z0-9., ]+?), or", text)
+    assert stats is not None, text
+    names = [s.strip() for s in stats.group(1).replace(" or ", ",").split(",") if s.strip()]
+    assert names == ["mean", "median", "std", "p90", "p99", "p99.9"]
+    for stat in names:
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            assert f"{stat}_{metric}" in bench.METRICS
+        assert (f"{stat}_intvty" in bench.METRICS) == (stat != "std"), stat
+    assert "every <stat> but std" in text

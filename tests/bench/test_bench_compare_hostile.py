@@ -94,3 +94,20 @@ def test_an_overflowing_ratio_prints_and_writes_real_json(tmp_path: Path) -> Non
     code, _, err = cli("bench", "compare", str(tiny), str(huge), "--json", str(tmp_path / "c.json"))
     assert code == ResultsInvalid.exit_code, err
     assert json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: 1 / 0)
+
+
+@pytest.mark.parametrize("side", ["base", "new"])
+def test_a_duplicated_cell_is_results_invalid_naming_it_and_the_file(tmp_path: Path,
+                                                                      side: str) -> None:
+    """Before: as NEW the last copy won ("+100.0% ... 1 higher", exit 0); as BASE the cell was
+    reported "base only"."""
+    run = shutil.copytree(RUNS / "base", tmp_path / "dup")
+    data = json.loads((run / "aggregate.json").read_text())
+    twin = {**data["rows"][0], "tput_per_gpu": data["rows"][0]["tput_per_gpu"] * 2}
+    data["rows"].append(twin)
+    (run / "aggregate.json").write_text(json.dumps(data))
+    pair = (str(run), str(RUNS / "base")) if side == "base" else (str(RUNS / "base"), str(run))
+    code, _out, err = cli("bench", "compare", *pair)
+    assert code == ResultsInvalid.exit_code, err
+    assert f"cell {twin['cell_id']!r} appears twice" in err
+    assert str(run / "aggregate.json") in err and "fix:" in err

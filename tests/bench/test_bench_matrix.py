@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def test_cli_names_the_recipe_of_a_bad_sweep(
     text = (REPO / "recipes" / "cpu_tiny_moe.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 1.0", text)
-    bad.write_text(text.replace("series: ../patches", f"series: {REPO}/patches"))
+    bad.write_text(text.replace("series: vllm-", f"series: {REPO}/patches/vllm-"))
     assert main(["matrix", str(bad)]) == 2
     err = capsys.readouterr().err
     # The recipe loader refuses it first, with the breadcrumb to the key.
@@ -162,3 +163,19 @@ def test_matrix_output_travels_to_another_machine(tmp_path: Path, monkeypatch: p
     assert [(j["recipe"], j["model"]) for j in jobs] == [
         ("mi300x_tp8", "MiniMaxAI/MiniMax-M3-MXFP8"), ("mine.yaml", "~/models/MiniMax-M3")]
     assert str(Path.home()) not in json.dumps(jobs) and str(REPO) not in json.dumps(jobs)
+
+
+def test_a_recipe_name_that_is_not_utf8_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A non-UTF-8 byte in a file name becomes a lone surrogate ('\\udcff') that the JSON would
+    carry to CI, which cannot decode it: refused as the tree commands refuse such a name (35)."""
+    data = yaml.safe_load((REPO / "recipes" / "mi300x_tp8.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.33.0")
+    name = os.fsdecode(b"bad\xff.yaml")
+    (tmp_path / name).write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    assert main(["matrix", name]) == 35
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "bad\\xff.yaml: the recipe's file name is not UTF-8" in err
+    assert err.count("m3patch: error:") == 1 and "\udcff" not in err

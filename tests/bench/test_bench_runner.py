@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,45 @@ def test_an_external_server_that_does_not_answer_is_18_and_no_tree_is_touched(
     err = capsys.readouterr().err
     assert f"{url}/health" in err and "--url" in err
     assert not (tmp_path / "r" / "ledger.json").exists()  # apply-verify skipped: not our tree
+
+
+def _results_here(recipe: Path, results: Path, *edits: tuple[str, str]) -> None:
+    """The recipe's results under `results`, its text edited (old, new) for the case at hand."""
+    text = re.sub(r"(?m)^results: .*$", f"results: {results}", recipe.read_text())
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    recipe.write_text(text)
+
+
+@pytest.mark.parametrize(("case", "code"), [("no-model", 19), ("flag-typo", 24),
+                                            ("no-vllm", 3)])
+def test_a_refused_run_leaves_no_run_folder(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, code: int
+) -> None:
+    """19 and 24 refuse before the folder is made; 3 (apply-verify finds no vLLM in --python)
+    after it: the empty folder this run made is removed again."""
+    results, model = tmp_path / "results", tmp_path / "model"
+    if case != "no-model":
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+    typo = "max-model-lenn" if case == "flag-typo" else "max-model-len"
+    _results_here(recipe, results, ("  max-model-len: 512", f"  {typo}: 512"),
+                  ("  source: ${M3PATCH_TINY_MODEL:-~/.cache/m3patch/tiny-moe}",
+                   f"  source: {model}"))
+    python = ["--python", sys.executable] if case == "no-vllm" else []
+    assert main(["bench", str(recipe), *python]) == code, capsys.readouterr().err
+    assert not results.exists() or not any(results.iterdir())
+
+
+def test_resume_takes_the_newest_run_folder_that_holds_results(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results = tmp_path / "results"
+    _results_here(recipe, results)
+    run = shutil.copytree(BASE_RUN, results / "20260101T000000Z")
+    (run / "aggregate.json").unlink()
+    (results / "20260102T000000Z" / "cells").mkdir(parents=True)  # a run that measured nothing
+    assert main(["bench", str(recipe), "--resume", "--no-plots"]) == 0
+    assert "aggregated" in capsys.readouterr().err
+    assert (run / "aggregate.json").is_file()

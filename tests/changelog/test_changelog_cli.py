@@ -117,3 +117,16 @@ def test_project_changelog_is_valid() -> None:
     report = check(inp, build_catalog(WorkTreeReader(PROJECT)))
     assert report.passed, [f.message for f in report.findings]
     assert any("cpu_tiny_moe" in key for e in report.entries for key in e.config_keys)
+
+
+def test_a_key_may_name_a_recipes_inferencex_config_entry(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """What `bench compare --changelog-entry` writes for a recipe with a config entry selects
+    that recipe here too (the CI matrix runs it)."""
+    repo.write("name: mi300x_tp8\ninferencex:\n  config-entry: minimaxm3-fp8-mi300x-vllm\n",
+               "recipes/mi300x_tp8.yaml")
+    repo.write(entry(key="minimaxm3-fp8-mi300x-vllm"))
+    report = tmp_path / "r.json"
+    assert repo.check(capsys, "--json-file", str(report))[0] == 0
+    assert json.loads(report.read_text())["new_recipes"] == ["recipes/mi300x_tp8.yaml"]

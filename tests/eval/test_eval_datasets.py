@@ -75,7 +75,7 @@ def test_fetch_without_the_harness_says_how_to_install(hub: Path, tmp_path: Path
     with pytest.raises(ModelMissing) as info:
         datasets.fetch(recipe.eval, recipe.path)
     assert "cannot fetch eval dataset openai/gsm8k" in info.value.message
-    assert info.value.hint is not None and "setup_lm_eval.sh" in info.value.hint
+    assert info.value.hint is not None and "/bin/pip install 'lm-eval[api]==" in info.value.hint
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ def test_eval_command_fails_closed_before_asking_any_server(tmp_path: Path) -> N
                              capture_output=True, text=True, cwd=REPO, check=False)
     assert missing.returncode == 21, missing.stderr
     assert f"no lm-eval interpreter at {tmp_path / 'python'}" in missing.stderr
-    assert "fix: bash scripts/setup/setup_lm_eval.sh" in missing.stderr and "Traceback" not in missing.stderr
+    assert "fix: python3 -m venv " in missing.stderr and "Traceback" not in missing.stderr
+    assert "/bin/pip install 'lm-eval[api]==" in missing.stderr
     assert not (tmp_path / "run").exists()
     data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe.yaml").read_text())
     del data["eval"]

@@ -152,7 +152,8 @@ def test_a_server_dying_mid_eval_stops_the_harness_with_21(
 def test_missing_interpreter_says_how_to_install(tmp_path: Path) -> None:
     with pytest.raises(EvalError) as info:
         preflight(spec(str(tmp_path / "nope" / "python"), task()), tmp_path / "r.yaml")
-    assert info.value.hint is not None and "scripts/setup/setup_lm_eval.sh" in info.value.hint
+    assert info.value.hint is not None and info.value.hint.startswith("python3 -m venv ")
+    assert "/bin/pip install 'lm-eval[api]==" in info.value.hint
 
 
 def test_offline_run_names_the_uncached_dataset_and_the_fetch(tmp_path: Path) -> None:

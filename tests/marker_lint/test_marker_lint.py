@@ -104,6 +104,16 @@ def test_a_wildcard_never_proves_a_specific_value(index_033: TextIndex) -> None:
     assert index_033.printers("QuantizedExperts MoE backend")
 
 
+def test_a_wildcard_never_proves_a_regex_markers_specific_part(index_033: TextIndex) -> None:
+    # vLLM prints "Using %s MoE backend": `\w+Zz` needs a name ending in Zz, and none exists.
+    (finding,) = lint_specs(index_033, [spec(r"regex:Using \w+Zz MoE backend")], "t", None)
+    assert finding.severity == "error"
+    assert "'Zz' would only fill a wildcard of" in finding.message
+    # a part the tree's names do end with is a value the wildcard may print
+    assert lint_specs(index_033, [spec(r"regex:Using \w+Experts MoE backend")], "t", None) == []
+    assert lint_specs(index_033, [spec(r"regex:Using \w+ MxFp8 MoE backend")], "t", None) == []
+
+
 def test_series_lines_are_printable_only_with_the_series(index_033: TextIndex) -> None:
     bare = build_index(pristine_tree("0.33.0"), None)
     text = "m3patch[mxfp8->block_fp8 self-check]: "

@@ -265,3 +265,38 @@ def test_port_refuses_a_non_empty_out(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not empty"):
         port_series(SERIES_033, pristine_tree("0.33.0"), tmp_path / "o", command="t",
                     lint=no_lint)
+
+
+def test_a_conflicts_lines_are_the_files_own(tmp_path: Path) -> None:
+    """Before: what changed upstream was headed `@@ -3,4 +3,4 @@` (lines of the excerpt) and the
+    hunk list showed the conflict's new line as a dash."""
+    old_root, new_root = pristine_tree("0.33.0"), pristine_tree("0.32.0")
+    result = port_series(SERIES_033, new_root, None, command="t", lint=no_lint)
+    provenance = next(p for p in result.plan.patches if p.id == "provenance")
+    hunk = next(h for f in provenance.files if f.path == LAUNCHER for h in f.hunks)
+    assert hunk.conflict is not None
+    changed = hunk.conflict.changed
+    assert changed[0] == "@@ -368,4 +381,4 @@"
+    old_lines = (old_root / LAUNCHER).read_text().splitlines()
+    new_lines = (new_root / LAUNCHER).read_text().splitlines()
+    first_context = changed[1][1:]  # the diff's first line, context on both sides
+    assert old_lines[368 - 1] == first_context == new_lines[381 - 1]
+    assert f"- {LAUNCHER} hunk 1 (old line 366): conflict, no exact new line: the hunk's old " \
+           "lines are not in the new file (no fuzz); closest new lines from line 379" \
+        in result.markdown
+    assert "—" not in result.markdown
+
+
+def test_a_port_into_a_folder_it_cannot_make_is_a_tree_io_error(
+        m3patch_cli: CliRunner, tmp_path: Path) -> None:
+    """Before: exit 70, `internal error: NotADirectoryError` (PermissionError for a user in a
+    read-only folder). A path below a regular file cannot be made, by root either."""
+    (tmp_path / "a-file").write_text("")
+    for tree, out in ((pristine_tree("0.32.0"), tmp_path / "a-file" / "p"),  # conflict: report
+                      (pristine_tree("0.33.0"), tmp_path / "a-file" / "q")):  # complete: staging
+        proc = m3patch_cli("series", "port", str(SERIES_033), "--tree", str(tree),
+                           "--out", str(out), timeout=600)
+        assert proc.returncode == 7, proc.stderr
+        assert "internal error" not in proc.stderr
+        assert str(tmp_path / "a-file") in proc.stderr and "fix: " in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

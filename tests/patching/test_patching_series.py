@@ -83,6 +83,24 @@ def test_missing_lock(test_series: Path, tmp_path: Path, vllm_tree: Path) -> Non
         apply_series(tree_at(vllm_tree), load_series(series))
 
 
+def test_a_lock_that_fails_the_marker_lint_writes_nothing(test_series: Path, tmp_path: Path,
+                                                           pristine_033: Path,
+                                                           m3patch_cli: CliRunner) -> None:
+    """Before: the lock was written, then the lint failed (23) with the new lock in place."""
+    series = copy_series(test_series, tmp_path)
+    manifest = series / "series.yaml"
+    manifest.write_text(manifest.read_text().replace(
+        'text: "m3patch[test-series]: added file present"',
+        'text: "m3patch[test-series]: added fiel present"'))
+    lock = series / "series.lock.json"
+    lock.write_text('{"stand-in": "the lock before this run"}\n')
+    proc = m3patch_cli("series", "lock", "--series", str(series), "--tree", str(pristine_033))
+    assert proc.returncode == 23, proc.stderr
+    assert "added fiel present" in proc.stderr
+    assert lock.read_text() == '{"stand-in": "the lock before this run"}\n'
+    assert "wrote" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("name", ["vllm-0.33.0", "vllm-0.32.0"])
 def test_real_series_folders_lock(name: str, tmp_path: Path, m3patch_cli: CliRunner) -> None:
     src = REPO / "patches" / name
@@ -210,5 +228,8 @@ def test_a_recipe_names_its_series_by_the_name_series_list_prints(tmp_path: Path
     data["series"] = "vllm-0.33.0"
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
     assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
-    (tmp_path / "vllm-0.33.0").mkdir()
+    (tmp_path / "vllm-0.33.0").mkdir()  # a folder of that name without a series: refused
+    with pytest.raises(SchemaError, match=r"no series\.yaml in"):
+        load_recipe(tmp_path / "mine.yaml")
+    shutil.copy(REPO / "patches" / "vllm-0.33.0" / "series.yaml", tmp_path / "vllm-0.33.0")
     assert load_recipe(tmp_path / "mine.yaml").series_dir == tmp_path / "vllm-0.33.0"

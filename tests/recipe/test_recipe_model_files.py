@@ -187,7 +187,9 @@ def test_local_folders(tmp_path: Path, hf_home: Path) -> None:
     with pytest.raises(ModelMissing) as info:
         model_files.require_present(load_recipe(path))
     assert f"local folder {model} does not exist" in str(info.value)
-    assert info.value.hint == f"python scripts/setup/make_tiny_model.py {model}  (or fix model.source)"
+    assert info.value.hint == (f"put the model folder (with its config.json) at {model}, or point "
+                               "model.source at one; a hub id there is fetched by "
+                               f"`m3patch model fetch {path}`")
     model.mkdir()
     assert "has no config.json" in str(problems(path)["model"])
     (model / "config.json").write_text("{}")

