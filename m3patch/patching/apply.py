@@ -10,7 +10,7 @@ files as they are and says when a pending transaction would be recovered first.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -157,15 +157,12 @@ def _selected(snap: Snapshot, only: Iterable[str] | None) -> tuple[engine.Chain,
     return tuple(chosen)
 
 
-def _plan(snap: Snapshot, chains: Sequence[engine.Chain], mode: Mode,
+def _plan(snap: Snapshot, chains: Iterable[engine.Chain], mode: Mode,
           images: ImagePack | None = None) -> list[engine.FilePlan]:
     from m3patch.patching import engine  # deferred: the already-applied fast path never plans
 
     plans, conflicts = [], []
     view = ledger_view(snap)  # offset-applied files, and files modified since m3patch wrote them
-    if images is not None:
-        images.check(c.hashes[-1] for c in chains if c.hashes[-1] is not None
-                     and snap.statuses[c.path].stage not in (None, len(c.steps)))
     for chain in chains:
         status = snap.statuses[chain.path]
         if status.stage == len(chain.steps) or view[chain.path].state == FileState.APPLIED_OFFSET:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,24 +57,13 @@ class ImagePack:
     def __init__(self, data: bytes, where: dict[str, tuple[int, int]]) -> None:
         self._data = data
         self._where = where
-        self._checked: dict[str, bytes | None] = {}
 
     def image(self, sha256: str) -> bytes | None:
-        if sha256 in self._checked:
-            return self._checked[sha256]
         span = self._where.get(sha256)
         if span is None:
             return None
         data = self._data[span[0]:span[1]]
         return data if digest(data) == sha256 else None
-
-    def check(self, wanted: Iterable[str]) -> None:
-        """Check these images against their hashes ahead of `image`, split over threads (a
-        release-sized pack is tens of MB to hash, and sha256 releases the GIL)."""
-        from m3patch.patching.folder_shares import run_shares
-
-        todo = sorted({h for h in wanted if h in self._where and h not in self._checked})
-        self._checked.update(zip(todo, run_shares(self.image, todo, todo), strict=True))
 
 
 def _spans(header: object, size: int, start: int, key: str) -> dict[str, tuple[int, int]] | None:
