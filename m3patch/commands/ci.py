@@ -3,7 +3,8 @@
 The run pipeline (m3patch.run.pipeline), in this process, reported as four steps, each a result
 with a status; the first failure skips the rest and its exit code (errors.py) is the job's:
   recipe        load and validate the recipe, make the run folder
-  apply-verify  apply the recipe's series to the tree the recipe's python imports, verify it,
+  apply-verify  apply the recipe's series to the tree the recipe's python (or --python) imports,
+                verify it,
                 copy the ledger into the run folder (m3patch.patching.api.ensure_series)
   serve-sweep   start vLLM on that tree, gate markers, sweep every cell, aggregate, stop the
                 server; this step's output goes to stderr and RUN/ci-serve.log, its error included
@@ -24,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+from m3patch.commands.flags import add_python_flag
 from m3patch.errors import (
     Interrupted,
     M3PatchError,
@@ -54,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, help="run folder (default: <results>/ci-<name>-<time>)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the valid cells already in --run-dir (m3patch bench --resume)")
+    add_python_flag(parser, what="interpreter whose vLLM tree is patched and serves (default: "
+                                 "the recipe's target.python, else this one), as for serve and bench")
     parser.add_argument("--json", action="store_true",
                         help="print the job's report as one JSON object on stdout "
                              "(docs/json-schema.md; the same fields as ci.json)")
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     fields = report_json.start("ci") if args.json else report_json.envelope("ci")
     spec = RunSpec(args.recipe, RunCommand.CI, run_dir=args.run_dir, resume=args.resume,
-                   plots=PlotMode.REQUIRED)
+                   python=args.python, plots=PlotMode.REQUIRED)
     with RunPipeline(spec) as pipeline:
         outcome = run_steps(ci_steps(pipeline), _print_step)
     run_dir = pipeline.plan.run_dir if pipeline.plan is not None else spec.run_dir

@@ -59,6 +59,8 @@ def test_the_interpreter_is_python_path_everywhere() -> None:
                 assert set(action.option_strings) - {"--python"} <= aliases, name
                 assert action.metavar == "PATH", name
     assert {"apply", "serve", "bench", "eval", "recipe show", "series list"} <= set(seen)
+    # every command that launches a server takes the launch interpreter (before: ci had none)
+    assert {"serve", "bench", "ci"} <= set(seen)
 
 
 @pytest.mark.parametrize(("command", "argv", "dest", "value"), [
