@@ -9,17 +9,22 @@ M3PatchError and turned into one message and a unique exit code here and nowhere
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import io
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from m3patch import __version__
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
 OUTPUT_FAILED_EXIT = 27  # errors.OutputFailed, without importing the errors module for --version
+CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE, as errors_handler gives it
 
 
 class ClosedStdout(io.TextIOBase):
@@ -90,8 +95,22 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own printing swallows a write that fails: `--help` to a closed stdout or a
+    full device exited 0 with the help lost. Here such a write fails as every output does
+    (OutputFailed, 27; a reader that left: 141)."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        if message:
+            stream = file or sys.stderr
+            stream.write(message)
+            flush = getattr(stream, "flush", None)
+            if flush is not None:
+                flush()
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="m3patch",
         description="Patch-and-launch toolkit for pinned vLLM images.",
         epilog="Exit codes: docs/exit-codes.md. `m3patch COMMAND --help` for a command.",
@@ -116,7 +135,7 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     return argv, None, []
 
 
-class _JsonUsageParser(argparse.ArgumentParser):
+class _JsonUsageParser(_Parser):
     """Under --json a command-line error is the JSON object too (a usage error, exit 2), so a
     script reading stdout gets an object, never a bare usage text."""
 
@@ -156,26 +175,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args == ["--version"]:  # before importing the error handler (dataclasses, traceback)
         try:
             print(f"m3patch {__version__}", flush=True)
-        except OSError as exc:  # stdout on a full device: the documented OutputFailed code
-            sys.stderr.write(f"m3patch: error: cannot write the output: {exc.strerror}\n")
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return OUTPUT_FAILED_EXIT
+        except OSError as exc:
+            return _output_failed(exc)
         return 0
     global_args, name, rest = _split(args)
     top = _top_parser()
-    ns = top.parse_args(global_args)
-    if name is None:
-        top.print_help(sys.stderr)
-        return 2
-    if name not in COMMANDS:
-        top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
-        return 2
+    try:
+        ns = top.parse_args(global_args)
+        if name is None:
+            top.print_help(sys.stderr)
+            return 2
+        if name not in COMMANDS:
+            top.parse_args([*global_args, name])  # argparse prints "invalid choice" and exits 2
+            return 2
+    except OSError as exc:  # the top-level help or usage to a stream that refused it
+        return _output_failed(exc)
     restore_sigint = _own_sigint()
     try:
         return _run(name, rest, ns.debug_traceback)
     finally:
         if argv is not None:  # a program calling main(argv) gets Python's handler back; the
             restore_sigint()  # command line keeps m3patch's until exit (a late Ctrl-C is quiet)
+
+
+def _output_failed(exc: OSError) -> int:
+    """Before the error handler exists (`--version`, the top-level help): a reader that left is
+    141, as a tool killed by SIGPIPE reports; any other refused write is OutputFailed."""
+    with contextlib.suppress(OSError, ValueError):  # the final flush must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if isinstance(exc, BrokenPipeError):
+        return CLOSED_PIPE_EXIT
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"m3patch: error: cannot write the output: {exc.strerror or exc}\n")
+    return OUTPUT_FAILED_EXIT
 
 
 def _run(name: str, rest: list[str], debug: bool) -> int:
@@ -188,7 +220,7 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
         check_environment(os.environ)
         memo.start_command(COMMANDS[name].read_only)
         module = importlib.import_module(COMMANDS[name].module)
-        parser_class = _JsonUsageParser if "--json" in rest else argparse.ArgumentParser
+        parser_class = _JsonUsageParser if "--json" in rest else _Parser
         parser = parser_class(
             prog=f"m3patch {name}", description=COMMANDS[name].help, allow_abbrev=False
         )

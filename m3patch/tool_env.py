@@ -11,6 +11,7 @@ Pure, except `check_environment` (a warning on stderr).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -43,8 +44,39 @@ _VALUE_RULES: dict[str, tuple[re.Pattern[str], str, str]] = {
     "M3PATCH_DEBUG_TRACEBACK": (re.compile(r"[01]?"), "1 (on) or 0 (off)",
                                 "export M3PATCH_DEBUG_TRACEBACK=1"),
     "M3PATCH_FAULT": (re.compile(r"((kill|fail)-after:[0-9]+)?"),
-                      "kill-after:N or fail-after:N (test-only)", "unset M3PATCH_FAULT"),
+                      "kill-after:N or fail-after:N (test-only)", ""),
 }
+
+
+DEFAULT_LOCK_TIMEOUT_S = 300.0
+ENV_LOCK_TIMEOUT = "M3PATCH_LOCK_TIMEOUT"
+
+
+def lock_timeout_s(environ: Mapping[str, str]) -> float:
+    """$M3PATCH_LOCK_TIMEOUT in seconds (default 300); anything but a finite number >= 0 is a
+    usage error (exit 2), never a crash or an endless wait (NaN never passes a deadline)."""
+    raw = environ.get(ENV_LOCK_TIMEOUT)
+    if raw is None or raw == "":
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        msg = f"${ENV_LOCK_TIMEOUT}={shown(raw)} is not a number of seconds >= 0"
+        raise UsageError(msg, hint=f"unset it (default {DEFAULT_LOCK_TIMEOUT_S:.0f} s) or set "
+                         f"e.g. {ENV_LOCK_TIMEOUT}=600")
+    return value
+
+
+SHOWN_CHARS = 120  # of a value in a message: a 100 kB variable is not printed whole
+
+
+def shown(value: str) -> str:
+    """`value` as a message quotes it, cut to SHOWN_CHARS."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value):,} characters)"
 
 
 def bad_values(environ: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -53,8 +85,8 @@ def bad_values(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     for name, (form, wanted, example) in sorted(_VALUE_RULES.items()):
         value = environ.get(name)
         if value is not None and not form.fullmatch(value):
-            out.append((f"environment variable {name}={value!r} is not {wanted}",
-                        f"unset {name}, or {example}"))
+            out.append((f"environment variable {name}={shown(value)} is not {wanted}",
+                        f"unset {name}" + (f", or {example}" if example else "")))
     return out
 
 
@@ -65,7 +97,8 @@ def near_misses(environ: Mapping[str, str]) -> list[str]:
         if name.startswith(PREFIX) and name not in KNOWN_ENV:
             near = suggest(name, KNOWN_ENV)
             if near:
-                out.append(f"environment variable {name} is not one m3patch reads; it is "
+                named = name if len(name) <= SHOWN_CHARS else shown(name)
+                out.append(f"environment variable {named} is not one m3patch reads; it is "
                            f"ignored.{near}")
     return out
 
@@ -73,6 +106,7 @@ def near_misses(environ: Mapping[str, str]) -> list[str]:
 def check_environment(environ: Mapping[str, str]) -> None:
     """At a command's start: a known variable with an unusable value is a UsageError (2); a
     near miss of a known name is a one-line warning."""
+    lock_timeout_s(environ)  # every command: status refuses a bad value as apply does
     problems = bad_values(environ)
     if problems:
         message, hint = problems[0]

@@ -21,6 +21,7 @@ from m3patch.patching.series import (
     load_series,
     series_path,
 )
+from m3patch.tool_env import SHOWN_CHARS, shown
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +50,11 @@ def series_dir(args: argparse.Namespace, tree: VllmTree | None) -> Path:
         if args.series is not None or not value:
             raise
         # the value was never typed on this command line: say which variable gave it
-        msg = f"{ENV_SERIES}={value!r} (from the environment): {exc.message}"
-        raise UsageError(msg, hint=f"unset {ENV_SERIES}, or {exc.hint}") from None
+        inner, hint = exc.message, exc.hint or ""
+        if len(value) > SHOWN_CHARS:  # said once, cut: not a 100 kB value three times over
+            inner, hint = inner.replace(value, "that value"), hint.replace(value, "that value")
+        msg = f"{ENV_SERIES}={shown(value)} (from the environment): {inner}"
+        raise UsageError(msg, hint=f"unset {ENV_SERIES}, or {hint}") from None
 
 
 def tree_and_series(args: argparse.Namespace) -> tuple[VllmTree, Series]:

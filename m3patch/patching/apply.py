@@ -26,7 +26,7 @@ from m3patch.patching.ledger import (
 )
 from m3patch.patching.locate import VllmTree, read_version
 from m3patch.patching.series import Series
-from m3patch.patching.series_lock import Pinned, load_patches, pinned
+from m3patch.patching.series_lock import Patches, Pinned, pinned, with_patches
 from m3patch.patching.snapshot import (
     Contents,
     Snapshot,
@@ -389,24 +389,29 @@ def apply_series(tree: VllmTree, series: Series, *, dry_run: bool = False,
         done = _already_applied(tree, pins, target.version, dry_run, notes)
         if done is not None:
             return done
-    patches = load_patches(series, pins.raw)
     images = _images(series, mode, only)
-    with locked_or_dry(tree, dry_run, notes):
-        snap = read_and_classify(tree, series, patches)
-        refuse_other_series(snap, tree)
-        chains = _selected(snap, only)
-        plans = _plan(snap, chains, mode, images)
-        made = folders_of(tree, plans)
-        ledger = _ledger_for(snap, tree, mode, target, plans, made)
-        if not dry_run and (plans or not _same(snap.ledger, ledger)):
-            if not plans:
-                notes.append("files already patched; the ledger was missing or stale: rewritten")
-            from m3patch.patching import writer  # deferred: only a run that writes needs it
 
-            writer.commit(tree.root, to_changes(tree, chains, plans, made, "add"),
-                          ledger.to_bytes())
-            if images is None:
-                _remember_images(series, snap, plans)
+    def transaction(patches: Patches) -> tuple[tuple[engine.Chain, ...], list[engine.FilePlan]]:
+        with locked_or_dry(tree, dry_run, notes):
+            snap = read_and_classify(tree, series, patches)
+            refuse_other_series(snap, tree)
+            chains = _selected(snap, only)
+            plans = _plan(snap, chains, mode, images)
+            made = folders_of(tree, plans)
+            ledger = _ledger_for(snap, tree, mode, target, plans, made)
+            if not dry_run and (plans or not _same(snap.ledger, ledger)):
+                if not plans:
+                    notes.append("files already patched; the ledger was missing or stale: "
+                                 "rewritten")
+                from m3patch.patching import writer  # deferred: only a run that writes needs it
+
+                writer.commit(tree.root, to_changes(tree, chains, plans, made, "add"),
+                              ledger.to_bytes())
+                if images is None:
+                    _remember_images(series, snap, plans)
+        return chains, plans
+
+    chains, plans = with_patches(series, pins.raw, transaction)
     wanted = {s.patch_id for c in chains for s in c.steps}
     by_path = {c.path: c for c in chains}
     pending = {s.patch_id for p in plans for s in by_path[p.path].steps}

@@ -37,6 +37,7 @@ from m3patch.patching.ledger import SHA256_RE
 
 SCHEMA = 3  # 3: a header line, then the hunks (2: each hunk side one string)
 KINDS = ("modify", "add", "delete")
+PARSED_MODES = (None, 0o644, 0o755)  # what diffs.parse_patch gives a file's new_mode
 _PARSER: list[str] = []  # the parser's fingerprint, once per process
 
 
@@ -198,7 +199,10 @@ def _head_file(raw: object, name: str) -> tuple[str, FileKind, int | None, int]:
     if not isinstance(path, str) or check_rel_path(path, name) != path:
         msg = "path"
         raise TypeError(msg)
-    return path, kind, None if mode is None else _int(mode), _int(count)
+    if mode not in PARSED_MODES or isinstance(mode, bool):  # a setuid or world-writable mode
+        msg = "mode"  # is no parse's: the parser refuses every mode but git's 644 and 755
+        raise TypeError(msg)
+    return path, kind, mode, _int(count)
 
 
 def _from_bytes(raw: bytes, data: bytes, name: str, sha256: str) -> PatchFile | None:
@@ -222,13 +226,15 @@ def _from_bytes(raw: bytes, data: bytes, name: str, sha256: str) -> PatchFile | 
                                  for index, (path, kind, mode, _) in enumerate(rows)))
 
 
-def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
+def parsed(data: bytes, name: str, sha256: str, *, fresh: bool = False) -> PatchFile:
     """The patch's model: from the memo when it holds these bytes' parse, else parsed (and
-    remembered). `sha256` must be the digest of `data` (the caller checked it against the lock)."""
+    remembered). `sha256` must be the digest of `data` (the caller checked it against the lock).
+    `fresh`: parse the bytes whatever the memo holds, and remember that parse (the retry of a
+    run whose stored hunks did not give the pinned images)."""
     if not SHA256_RE.match(sha256):
         return parse_patch(data, name)
     path = _path(sha256)
-    if path_is(path, "file"):
+    if not fresh and path_is(path, "file"):
         try:
             raw = read_state(path)
         except (OSError, M3PatchError):
@@ -241,3 +247,8 @@ def parsed(data: bytes, name: str, sha256: str) -> PatchFile:
         with contextlib.suppress(M3PatchError, OSError):
             write_cache_bytes(_root(), path, _to_bytes(patch, sha256), durable=False)
     return patch
+
+
+def from_memo(patch: PatchFile) -> bool:
+    """Whether any of the patch's hunks came from a memo entry (not from parsing its bytes)."""
+    return any(isinstance(f.hunks, StoredHunks) for f in patch.files)

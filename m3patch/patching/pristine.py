@@ -144,19 +144,33 @@ def _record_of(root: Path) -> Path | None:
     return records[0] if len(records) == 1 else None
 
 
-def _record_rows(record: Path) -> dict[str, str]:
-    """RECORD's names the extraction keeps, with their digests ("" where RECORD gives none: the
-    RECORD itself)."""
-    with record.open(encoding="utf-8", newline="") as fh:
-        return {row[0]: (row[1] if len(row) > 1 else "") for row in csv.reader(fh)
-                if row and _kept(row[0])}
+Row = tuple[str, int | None]  # a RECORD row's digest ("" for none: RECORD itself) and size
 
 
-def _holds(path: Path, digest: str) -> bool:
-    """`path` is a regular file (not a link) whose bytes have this RECORD digest."""
+def _record_rows(record: Path) -> dict[str, Row]:
+    """RECORD's names the extraction keeps, with their digests and sizes. Raises ValueError for
+    a RECORD that is not a wheel's (csv's field limit, a size that is no number)."""
+    rows: dict[str, Row] = {}
     try:
-        return (not path.is_symlink() and path_is(path, "file")
-                and _record_digest(path.read_bytes()) == digest)
+        with record.open(encoding="utf-8", newline="") as fh:
+            for row in csv.reader(fh):
+                if row and _kept(row[0]):
+                    size = row[2] if len(row) > 2 else ""
+                    rows[row[0]] = (row[1] if len(row) > 1 else "", int(size) if size else None)
+    except csv.Error as exc:
+        raise ValueError(str(exc)) from None
+    return rows
+
+
+def _holds(path: Path, row: Row) -> bool:
+    """`path` is a regular file (not a link) of RECORD's size whose bytes have RECORD's digest
+    (the size first: a planted file of gigabytes is never read)."""
+    digest, size = row
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or (size is not None and info.st_size != size):
+            return False
+        return _record_digest(read_state(path, info.st_size)) == digest
     except OSError:
         return False
 
@@ -191,16 +205,18 @@ def _stats_key(entries: list[tuple[str, os.stat_result]]) -> str:
 
 
 def _wheel_record(root: Path, record: Path) -> bytes | None:
-    """The RECORD of the cached wheel this tree was extracted from (DONE_MARK names it), or
-    None when that wheel is not at hand: the tree's own RECORD is then what is checked against."""
+    """The RECORD of the cached wheel of this tree's dist and version (found by its name, never
+    by what the tree's own DONE_MARK says, which is as writable as the tree), or None when no
+    such wheel is at hand: the tree's own RECORD is then what is checked against."""
+    dist, _, version = root.name.removeprefix("tree-").rpartition("-")
+    wheel = _find_wheel(root.parent / "wheels", dist, version) if dist and version else None
+    if wheel is None:
+        return None
     try:
-        name = read_state(root / DONE_MARK, 4096).decode("utf-8").strip()
-        if "/" in name or not name.endswith(".whl"):
-            return None
-        with zipfile.ZipFile(root.parent / "wheels" / name) as zf:
+        with zipfile.ZipFile(wheel) as zf:
             return zf.read(record.relative_to(root).as_posix())
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-        return None
+        return None  # a cached wheel that cannot be read (its own rebuild would fail too)
 
 
 def tree_problems(root: Path, entries: list[tuple[str, os.stat_result]]) -> list[str]:
@@ -214,7 +230,7 @@ def tree_problems(root: Path, entries: list[tuple[str, os.stat_result]]) -> list
         data = record.read_bytes()
     except (OSError, ValueError) as exc:
         return [f"{record.name} unreadable ({exc})"]
-    bad = [name for name, digest in rows.items() if digest and not _holds(root / name, digest)]
+    bad = [name for name, row in rows.items() if row[0] and not _holds(root / name, row)]
     bad += [f"{rel} (not in RECORD)" for rel, st in entries
             if (rel not in rows and rel != DONE_MARK) or stat.S_ISLNK(st.st_mode)]
     wheel_record = _wheel_record(root, record)
@@ -257,11 +273,11 @@ def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
     root = cache_root() / f"tree-{dist}-{version}"
     record = _record_of(root) if path_is(root / DONE_MARK, "file") else None
     try:
-        digest = _record_rows(record).get(path, "") if record is not None else ""
-        data = (root / path).read_bytes() if digest else None
+        row = _record_rows(record).get(path) if record is not None else None
+        data = (root / path).read_bytes() if row and row[0] and _holds(root / path, row) else None
     except (OSError, ValueError):
         return None
-    return data if data is not None and _record_digest(data) == digest else None
+    return data if row is not None and data is not None and _record_digest(data) == row[0] else None
 
 
 def cached_tree(version: str, dist: str = "vllm") -> Path | None:
@@ -332,8 +348,11 @@ def verify_against_record(root: Path) -> list[str]:
     record = _record_of(root)
     if record is None:
         return ["<no RECORD>"]
-    return [name for name, digest in _record_rows(record).items()
-            if digest and not _holds(root / name, digest)]
+    try:
+        rows = _record_rows(record)
+    except (OSError, ValueError):
+        return [f"<{record.name} unreadable>"]
+    return [name for name, row in rows.items() if row[0] and not _holds(root / name, row)]
 
 
 def copy_tree(src: Path, dest: Path) -> Path:

@@ -22,7 +22,7 @@ from m3patch.patching.diffs import check_rel_path
 from m3patch.patching.ledger import file_digest
 from m3patch.patching.locate import VllmTree
 from m3patch.patching.series import Series
-from m3patch.patching.series_lock import load_patches, pinned
+from m3patch.patching.series_lock import Patches, pinned, with_patches
 from m3patch.patching.snapshot import Snapshot, read_and_classify
 from m3patch.patching.states import Mode
 
@@ -59,18 +59,23 @@ def revert_series(tree: VllmTree, series: Series, *, dry_run: bool = False) -> A
     """Restore every file to its exact pinned pre-image (verified), then remove the ledger."""
     pins = pinned(series)
     tree, target, recovered = checked_target(tree, series, pins.hashes, Mode.REVERT, dry_run)
-    patches = load_patches(series, pins.raw)
     notes = recovered + [n for n in (tree.patch_note(), None if target.plain else target.note) if n]
-    with locked_or_dry(tree, dry_run, notes):
-        snap = read_and_classify(tree, series, patches)
-        refuse_other_series(snap, tree)
-        plans = revert_plans(snap)
-        if not dry_run and (plans or snap.ledger is not None):
-            from m3patch.patching import writer  # deferred: off the fast path
 
-            changes = to_changes(tree, snap.chains, plans, _folders(tree, snap, plans), "delete")
-            writer.commit(tree.root, changes, None)
-            _check_written(tree, plans)
+    def transaction(patches: Patches) -> tuple[Snapshot, list[engine.FilePlan]]:
+        with locked_or_dry(tree, dry_run, notes):
+            snap = read_and_classify(tree, series, patches)
+            refuse_other_series(snap, tree)
+            plans = revert_plans(snap)
+            if not dry_run and (plans or snap.ledger is not None):
+                from m3patch.patching import writer  # deferred: off the fast path
+
+                changes = to_changes(tree, snap.chains, plans, _folders(tree, snap, plans),
+                                     "delete")
+                writer.commit(tree.root, changes, None)
+                _check_written(tree, plans)
+        return snap, plans
+
+    snap, plans = with_patches(series, pins.raw, transaction)
     reverted = {s.patch_id for p in plans for c in snap.chains if c.path == p.path
                 for s in c.steps}
     order = [p.id for p in series.patches]

@@ -8,22 +8,19 @@ check every .patch against its pin (`pinned`) before trusting a byte of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from m3patch import __version__
 from m3patch.errors import PatchConflict, UsageError
 from m3patch.fsio import read_json, write_bytes_atomic, write_json_atomic
-from m3patch.patching.diffs import check_rel_path, parse_patch, safe_target
+from m3patch.patching.diffs import PatchFile, check_rel_path, parse_patch, safe_target
 from m3patch.patching.hunks import apply_file
 from m3patch.patching.ledger import SHA256_RE, digest
 from m3patch.patching.locate import VllmTree, check_target
-from m3patch.patching.parse_cache import parsed
-
-if TYPE_CHECKING:
-    from m3patch.patching.diffs import PatchFile
+from m3patch.patching.parse_cache import from_memo, parsed
 
 LOCK = "series.lock.json"
 LOCK_SCHEMA = 1
@@ -282,9 +279,30 @@ def pinned(series: SeriesLike) -> Pinned:
     return Pinned(series, {p: tuple(h) for p, h in hashes.items()}, raw)
 
 
-def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
-                 ) -> tuple[tuple[PatchFile, PatchPin], ...]:
-    """Parse every patch of the series (bytes from `pinned`, else read and checked here)."""
+Patches = tuple[tuple[PatchFile, PatchPin], ...]
+T = TypeVar("T")
+
+
+def with_patches(series: SeriesLike, raw: Mapping[str, bytes],
+                 run: Callable[[Patches], T]) -> T:
+    """`run` on the series' parsed patches; when it ends in a PatchConflict and some hunks came
+    from the parse memo, once more on a fresh parse of the pinned bytes (which rewrites those
+    memo entries). A memo entry's hunks are checked for shape, not truth (that would be the
+    parse it saves); a lie only shows as a result off its pin, which must not be blamed on the
+    tree. A true conflict raises again from the fresh parse."""
+    patches = load_patches(series, raw)
+    try:
+        return run(patches)
+    except PatchConflict:
+        if not any(from_memo(patch) for patch, _ in patches):
+            raise
+    return run(load_patches(series, raw, fresh=True))
+
+
+def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None, *,
+                 fresh: bool = False) -> Patches:
+    """Parse every patch of the series (bytes from `pinned`, else read and checked here);
+    `fresh`: from the bytes, whatever the parse memo holds (parse_cache.parsed)."""
     raw = pinned(series).raw if raw is None else raw
     lock = series.require_lock()
     out = []
@@ -295,7 +313,7 @@ def load_patches(series: SeriesLike, raw: Mapping[str, bytes] | None = None,
             msg = f"{series.directory / entry.file}: changed since series.lock.json was generated"
             raise UsageError(msg, hint=relock_hint(series.directory))
         name = str(series.directory / entry.file)
-        patch = parsed(data, name, pin.sha256)
+        patch = parsed(data, name, pin.sha256, fresh=fresh)
         if _shape(patch) != _pinned_shape(pin):  # a memo that lies: the bytes decide
             patch = parse_patch(data, name)
             if _shape(patch) != _pinned_shape(pin):

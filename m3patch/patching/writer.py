@@ -26,7 +26,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
 import signal
 import stat
@@ -36,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
-from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, UsageError, raise_if_interrupted
+from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, raise_if_interrupted
 from m3patch.fsio import (
     DEFAULT_MODE,
     make_durable,
@@ -59,8 +58,6 @@ from m3patch.patching.ledger import (
 
 JOURNAL = "journal.json"
 PHASES = ("stage", "commit")
-DEFAULT_LOCK_TIMEOUT_S = 300.0
-ENV_LOCK_TIMEOUT = "M3PATCH_LOCK_TIMEOUT"
 _HELD: set[str] = set()  # the lock files this process holds (tree_lock is re-entrant)
 
 
@@ -135,20 +132,11 @@ class _Steps:
 
 
 def lock_timeout_from_env() -> float:
-    """$M3PATCH_LOCK_TIMEOUT in seconds (default 300); anything but a finite number >= 0 is a
-    usage error (exit 2), never a crash or an endless wait (NaN never passes a deadline)."""
-    raw = os.environ.get(ENV_LOCK_TIMEOUT)
-    if raw is None or raw == "":
-        return DEFAULT_LOCK_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        msg = f"${ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds >= 0"
-        raise UsageError(msg, hint=f"unset it (default {DEFAULT_LOCK_TIMEOUT_S:.0f} s) or set "
-                         f"e.g. {ENV_LOCK_TIMEOUT}=600")
-    return value
+    """$M3PATCH_LOCK_TIMEOUT in seconds (tool_env.lock_timeout_s: checked at every command's
+    start too, so a read-only command refuses a bad value as apply does)."""
+    from m3patch.tool_env import lock_timeout_s
+
+    return lock_timeout_s(os.environ)
 
 
 def safe_state_dir(root: Path, *, create: bool) -> Path:

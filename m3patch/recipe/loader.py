@@ -25,7 +25,7 @@ from m3patch.recipe.deadlines import Deadlines, deadlines
 from m3patch.recipe.evals import EvalSpec, evals
 from m3patch.recipe.inferencex import Identity, identity
 from m3patch.recipe.launch import Parallelism, flatten_vllm_args
-from m3patch.recipe.paths import expand
+from m3patch.recipe.paths import expand, expand_vars
 from m3patch.recipe.sweep import Sweep, SweepRow, check_lengths_fit, doubling, sweep
 from m3patch.recipe.target import ModelSpec, Target
 from m3patch.recipe.topology import Topology, check_placeholders, topology
@@ -80,11 +80,15 @@ def _section(data: dict[str, Any], key: str, parse: Callable[[dict[str, Any]], T
 def _series_dir(path: Path, text: str) -> Path:
     """`series:` is a folder relative to the recipe, or the name of a shipped series
     (`vllm-0.33.0`, as `m3patch series list` prints it) when no such folder is there."""
+    named = expand_vars(text)  # as written: `./vllm-0.33.0` is a path, `vllm-0.33.0` a name
     relative = (path.parent / expand(text)).resolve()
     shipped = shipped_dir("patches")
-    if "/" not in text and not path_is(relative, "dir") and shipped is not None \
-            and path_is(shipped / text / "series.yaml", "file"):
-        return (shipped / text).resolve()
+    # a folder beside the recipe wins only when it is a series: an unpacked vLLM sdist or an
+    # empty folder of that name must not hide the shipped series
+    if "/" not in named and not named.startswith("~") \
+            and not path_is(relative / "series.yaml", "file") \
+            and shipped is not None and path_is(shipped / named / "series.yaml", "file"):
+        return (shipped / named).resolve()
     if not path_is(relative / "series.yaml", "file"):
         _no_series(text, relative, shipped)
     return relative

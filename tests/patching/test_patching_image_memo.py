@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core_helpers import REPO
+from core_helpers import REPO, replace_file
 
 from m3patch.patching import engine, image_memo, memo, parse_cache
 from m3patch.patching.api import apply_series, revert_series
@@ -204,21 +204,69 @@ def test_parse_memo_hunks_that_are_not_what_the_header_counts_are_parsed_again(
         assert parse_cache.parsed(data, str(path), digest(data)) == parse_patch(data, str(path))
 
 
-def test_parse_memo_hunks_whose_text_is_forged_are_caught_by_the_pins(
+def test_parse_memo_hunks_whose_text_is_forged_are_parsed_again_not_blamed_on_the_tree(
         cache: Path, pristine_033: Path, tmp_path: Path) -> None:
-    """Hunks that keep the header's counts and shape but not a parse's text reach the plan, whose
-    every result is checked against the lock's pin: the apply refuses (nothing written) rather
-    than write a tree off its pins."""
+    """Hunks that keep the header's counts and shape but not a parse's text give results off
+    the lock's pins. Before (a second hostile review): a revert after a warm apply, or an apply
+    without the image pack, ended in 5 blaming the tree ("undoing ... gives sha256 ..."), while
+    status said every patch was applied. Now a run whose stored hunks miss a pin runs once more
+    on a fresh parse of the pinned bytes (which rewrites the memo): the trees of a cold run."""
+    series_dir = REPO / "patches" / "vllm-0.33.0"
+    cold = _files(_apply(pristine_033, tmp_path / "cold", series_dir))
+    warm = copy_tree(pristine_033, tmp_path / "warm")
+    apply_series(tree_at(warm), load_series(series_dir))  # the image pack: no hunk read
+    _rewrite_entries(cache, body=_cut_a_side)
+    revert_series(tree_at(warm), load_series(series_dir))
+    assert _files(warm) == _files(pristine_033)
+    _rewrite_entries(cache, body=_cut_a_side)
+    _pack(series_dir).unlink()
+    root = copy_tree(pristine_033, tmp_path / "no-pack")
+    apply_series(tree_at(root), load_series(series_dir))
+    assert _files(root) == cold
+    for entry in load_series(series_dir).patches:  # the entries were written again, right
+        data = (series_dir / entry.file).read_bytes()
+        assert parse_cache.parsed(data, "p", digest(data)) == parse_patch(data, "p")
+
+
+def test_a_true_conflict_is_still_refused_after_the_fresh_parse(
+        cache: Path, pristine_033: Path, tmp_path: Path) -> None:
+    """The retry on a fresh parse is no way around a conflict the tree really has."""
     from m3patch.errors import PatchConflict
 
     series_dir = REPO / "patches" / "vllm-0.33.0"
     _apply(pristine_033, tmp_path / "cold", series_dir)
-    _rewrite_entries(cache, body=_cut_a_side)
-    _pack(series_dir).unlink()
-    root = copy_tree(pristine_033, tmp_path / "warm")
+    root = copy_tree(pristine_033, tmp_path / "edited")
+    lock = load_series(series_dir).require_lock()
+    target = root / next(f.path for p in lock.patches for f in p.files if f.pre is not None)
+    replace_file(target, target.read_bytes() + b"# a hand edit\n")  # never through the link
     with pytest.raises(PatchConflict):
         apply_series(tree_at(root), load_series(series_dir))
-    assert _files(root) == _files(pristine_033)
+
+
+def test_a_parse_memo_header_with_a_mode_no_parse_gives_is_parsed_again(
+        cache: Path, pristine_033: Path, tmp_path: Path) -> None:
+    """Before (a second hostile review): a header giving an added file mode 0o4777 (setuid,
+    world-writable) was taken; apply wrote the file -rwsrwxrwx and status and verify passed.
+    The parser refuses every mode but git's 644 and 755; so does the memo's reader now."""
+    series_dir = REPO / "patches" / "vllm-0.33.0"
+    cold_root = _apply(pristine_033, tmp_path / "cold", series_dir)
+
+    def forge(head: dict[str, Any]) -> None:
+        for file in head["files"]:
+            if file[1] == "add":
+                file[2] = 0o4777
+
+    _rewrite_entries(cache, head=forge)
+    lock = load_series(series_dir).require_lock()
+    added = [f.path for p in lock.patches for f in p.files if f.pre is None]
+    assert added
+    for keep_pack in (True, False):
+        if not keep_pack:
+            _pack(series_dir).unlink()
+        root = copy_tree(pristine_033, tmp_path / f"warm-{keep_pack}")
+        apply_series(tree_at(root), load_series(series_dir))
+        for rel in added:
+            assert (root / rel).stat().st_mode == (cold_root / rel).stat().st_mode, rel
 
 
 def test_a_parse_memo_with_text_that_is_no_bytes_is_parsed_again(

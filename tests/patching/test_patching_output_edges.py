@@ -147,3 +147,27 @@ def test_rich_output_to_a_reader_that_left_raises_a_broken_pipe(
         monkeypatch.undo()
         with contextlib.suppress(BrokenPipeError):
             stream.close()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["apply", "--help"], ["series", "--help"],
+                                  ["markers", "check", "--help"], ["--version"]])
+def test_help_and_version_to_a_stream_that_refuses_them(args: list[str], tmp_path: Path) -> None:
+    """Before (a second hostile review): argparse's own printing swallows a failed write, so
+    `--help` to a closed stdout or /dev/full exited 0 with the help lost; `--version` to a
+    reader that left was 27, not 141. Now: 27 for a closed stdout or a full device, 141 for
+    a reader that left, as for every other output."""
+    crash = tmp_path / "crash"
+    code, stderr = _closed(args, crash)
+    assert code == errors.OutputFailed.exit_code, (args, stderr)
+    assert "cannot write the output" in stderr
+    if FULL.exists():
+        assert to_full(args, crash)[0] == errors.OutputFailed.exit_code, args
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "m3patch", *args], stdout=write,
+                              stderr=subprocess.PIPE, text=True, check=False, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141, (args, proc.stderr)
+    assert not crash.exists() or not list(crash.iterdir())

@@ -69,19 +69,40 @@ def test_an_edited_cached_tree_is_rebuilt_from_its_wheel(own_cache: Path) -> Non
     assert cached_file("0.33.0", ORACLE) == (tree / ORACLE).read_bytes()
 
 
-@pytest.mark.parametrize("how", ["added file", "record edited too", "link"])
+def _record_agrees(tree: Path) -> None:
+    """The tampered file's RECORD row made to agree with it (size too)."""
+    data = (tree / ORACLE).read_bytes()
+    digest = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    record = (tree / RECORD).read_text()
+    old = next(line for line in record.splitlines() if line.startswith(ORACLE + ","))
+    replace_file(tree / RECORD, record.replace(old, f"{ORACLE},{digest},{len(data)}").encode())
+
+
+@pytest.mark.parametrize("how", ["added file", "record edited too", "link", "done mark lies",
+                                 "huge file", "record field too large"])
 def test_every_kind_of_edit_is_found(own_cache: Path, tmp_path: Path, how: str) -> None:
+    """Later cases (a second hostile review): a done mark naming another wheel made the check
+    fall back to the tree's own RECORD (edited to agree: trusted, and pinned into a lock); a
+    planted 8 GB file was read whole (MemoryError: 70); a RECORD field over csv's limit was 70."""
     tree = own_cache / "tree-vllm-0.33.0"
     assert check_cached_tree(tree) == []
     if how == "added file":
         (tree / "vllm" / "extra_printer.py").write_text("print('Using EMULATION')\n")
     elif how == "record edited too":  # RECORD made to agree: the cached wheel's RECORD does not
         tamper(tree)
-        sha = hashlib.sha256((tree / ORACLE).read_bytes()).digest()
-        digest = "sha256=" + base64.urlsafe_b64encode(sha).rstrip(b"=").decode()
-        record = (tree / RECORD).read_text()
-        old = next(line for line in record.splitlines() if line.startswith(ORACLE + ","))
-        replace_file(tree / RECORD, record.replace(old, f"{ORACLE},{digest},1").encode())
+        _record_agrees(tree)
+    elif how == "done mark lies":  # and it names a wheel that is not there
+        tamper(tree)
+        _record_agrees(tree)
+        replace_file(tree / ".m3patch-pristine-ok", b"bogus.whl\n")
+    elif how == "huge file":  # sparse: the check must look at its size, never read it
+        target = tree / "vllm" / "envs.py"
+        target.unlink()
+        with target.open("wb") as fh:
+            fh.truncate(8 << 30)
+    elif how == "record field too large":
+        record = (tree / RECORD).read_bytes()
+        replace_file(tree / RECORD, record + b"vllm/x.py,sha256=" + b"a" * 200_000 + b",1\n")
     else:  # the same bytes, through a link to a file outside the cache
         target = tree / "vllm" / "envs.py"
         outside = tmp_path / "envs.py"

@@ -228,8 +228,17 @@ def test_a_recipe_names_its_series_by_the_name_series_list_prints(tmp_path: Path
     data["series"] = "vllm-0.33.0"
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
     assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
-    (tmp_path / "vllm-0.33.0").mkdir()  # a folder of that name without a series: refused
+    # a folder of that name that holds no series (an unpacked vLLM sdist) does not hide it
+    (tmp_path / "vllm-0.33.0").mkdir()
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
+    data["series"] = "${M3PATCH_NO_SUCH_VARIABLE:-vllm-0.33.0}"  # a name after expansion too
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    assert load_recipe(tmp_path / "mine.yaml").series_dir == REPO / "patches" / "vllm-0.33.0"
+    data["series"] = "./vllm-0.33.0"  # a path is a path: that folder holds no series
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(SchemaError, match=r"no series\.yaml in"):
         load_recipe(tmp_path / "mine.yaml")
+    data["series"] = "vllm-0.33.0"
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
     shutil.copy(REPO / "patches" / "vllm-0.33.0" / "series.yaml", tmp_path / "vllm-0.33.0")
     assert load_recipe(tmp_path / "mine.yaml").series_dir == tmp_path / "vllm-0.33.0"

@@ -111,3 +111,30 @@ def test_a_bad_series_variable_is_named(pristine_033: Path, m3patch_cli: object)
     assert "M3PATCH_SERIES='bogus' (from the environment): bogus: no such series folder" in (
         result.stderr)
     assert "fix: unset M3PATCH_SERIES, or" in result.stderr
+
+
+def test_every_command_refuses_a_bad_lock_timeout(pristine_033: Path,
+                                                   m3patch_cli: object) -> None:
+    """Before (a second hostile review): only apply and revert, which take the tree lock,
+    read M3PATCH_LOCK_TIMEOUT; status, verify and apply --dry-run ran with `abc`, `nan` or
+    `-1` and said nothing, though the docs say the environment is checked as a command
+    starts."""
+    tree = ["--vllm-root", str(pristine_033), "--series", "vllm-0.33.0"]
+    for command in (["status"], ["verify"], ["apply", "--dry-run"]):
+        for value in ("abc", "nan", "-1"):
+            result = m3patch_cli(*command, *tree,  # type: ignore[operator]
+                                 env={"M3PATCH_LOCK_TIMEOUT": value})
+            assert result.returncode == 2, (command, value, result.stderr)
+            assert f"$M3PATCH_LOCK_TIMEOUT={value!r} is not a number" in result.stderr
+
+
+def test_a_huge_value_is_quoted_once_and_cut(pristine_033: Path, m3patch_cli: object) -> None:
+    """Before: a 100 kB M3PATCH_SERIES made a message of about 300 kB (the value three times)."""
+    huge = "x" * 100_000
+    result = m3patch_cli("status", "--vllm-root", str(pristine_033),  # type: ignore[operator]
+                         env={"M3PATCH_SERIES": huge})
+    assert result.returncode == 2, result.stderr[:500]
+    assert len(result.stderr) < 2_000 and "(100,000 characters)" in result.stderr
+    with pytest.raises(UsageError) as caught:
+        check_environment({"M3PATCH_FAULT": "zz"})
+    assert caught.value.hint == "unset M3PATCH_FAULT"  # before: "unset X, or unset X"
