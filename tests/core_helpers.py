@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TEST_SERIES = REPO / "tests" / "data" / "test-series"
 
@@ -177,3 +179,15 @@ def revert_before_first_verify(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(api, "verify_tree", revert_first)
     return calls
+
+
+def isolated_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    """git as a fresh CI machine runs it: no user or system config, a fixed identity, and no
+    GitHub Actions variables (the changelog check reads them)."""
+    for var in ("GITHUB_ACTIONS", "GITHUB_REPOSITORY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for who in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{who}_NAME", "t")
+        monkeypatch.setenv(f"GIT_{who}_EMAIL", "t@example.invalid")

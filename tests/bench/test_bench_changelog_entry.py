@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from core_helpers import isolated_git
 
 from m3patch.main import main
 
@@ -63,13 +64,7 @@ def test_an_inferencex_row_as_new_has_no_recipe_to_name(
 def _git_repo(root: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
     """A git repository holding `files` and no recipes/ (as an InferenceX checkout), committed;
     the current folder."""
-    for var in ("GITHUB_ACTIONS", "GITHUB_REPOSITORY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for who in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{who}_NAME", "t")
-        monkeypatch.setenv(f"GIT_{who}_EMAIL", "t@example.invalid")
+    isolated_git(monkeypatch)
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from core_helpers import isolated_git
 
 from m3patch.main import main
 
@@ -53,13 +54,7 @@ class GitRepo:
 
 def make_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> GitRepo:
     """git init with two recipes and a series; cwd moves there; CI variables cleared."""
-    for var in ("GITHUB_ACTIONS", "GITHUB_REPOSITORY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/dev/null")
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for who in ("AUTHOR", "COMMITTER"):
-        monkeypatch.setenv(f"GIT_{who}_NAME", "t")
-        monkeypatch.setenv(f"GIT_{who}_EMAIL", "t@example.invalid")
+    isolated_git(monkeypatch)
     root = tmp_path / "proj"
     root.mkdir()
     repo = GitRepo(root)
