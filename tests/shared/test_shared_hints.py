@@ -15,9 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "m3patch"
 CHECKOUT_PATH = re.compile(r"(?<![\w/.])(?:scripts|docs)/[\w./<>-]*")
 HINT_NAME = re.compile(r"hint|^FIX_", re.IGNORECASE)
-# Hints in code another change owns (bench/ and changelog/), to be rewritten there; the second
-# test fails once one is fixed, so its entry goes with the fix.
-PENDING: dict[str, str] = {}  # files whose hints still name checkout-only paths, and why
 
 def _strings(node: ast.AST) -> Iterator[str]:
     for sub in ast.walk(node):
@@ -54,12 +51,8 @@ def offenders() -> dict[str, list[str]]:
 
 
 def test_no_hint_names_a_path_the_wheel_lacks() -> None:
-    bad = {rel: paths for rel, paths in offenders().items() if rel not in PENDING}
+    bad = offenders()
     assert bad == {}, "hints name checkout-only paths (scripts/, docs/): not in the wheel"
-
-
-def test_the_pending_hints_are_still_pending() -> None:
-    assert sorted(offenders().keys() & PENDING.keys()) == sorted(PENDING)
 
 
 def test_the_scan_sees_hints_of_every_shape() -> None:
