@@ -162,17 +162,22 @@ def _record_rows(record: Path) -> dict[str, Row]:
     return rows
 
 
-def _holds(path: Path, row: Row) -> bool:
-    """`path` is a regular file (not a link) of RECORD's size whose bytes have RECORD's digest
-    (the size first: a planted file of gigabytes is never read)."""
+def _held(path: Path, row: Row) -> bytes | None:
+    """The bytes of `path` when it is a regular file (not a link) of RECORD's size whose bytes
+    have RECORD's digest (the size first: a planted file of gigabytes is never read), else None."""
     digest, size = row
     try:
         info = path.lstat()
         if not stat.S_ISREG(info.st_mode) or (size is not None and info.st_size != size):
-            return False
-        return _record_digest(read_state(path, info.st_size)) == digest
+            return None
+        data = read_state(path, info.st_size)
     except OSError:
-        return False
+        return None
+    return data if _record_digest(data) == digest else None
+
+
+def _holds(path: Path, row: Row) -> bool:
+    return _held(path, row) is not None
 
 
 def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
@@ -274,10 +279,9 @@ def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
     record = _record_of(root) if path_is(root / DONE_MARK, "file") else None
     try:
         row = _record_rows(record).get(path) if record is not None else None
-        data = (root / path).read_bytes() if row and row[0] and _holds(root / path, row) else None
     except (OSError, ValueError):
         return None
-    return data if row is not None and data is not None and _record_digest(data) == row[0] else None
+    return _held(root / path, row) if row is not None and row[0] else None
 
 
 def cached_tree(version: str, dist: str = "vllm") -> Path | None:
