@@ -14,6 +14,7 @@ import errno
 import importlib
 import io
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
@@ -108,6 +109,54 @@ class _Parser(argparse.ArgumentParser):
             if flush is not None:
                 flush()
 
+    def error(self, message: str) -> NoReturn:
+        super().error(_usage_message(self, message))
+
+
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+_INVALID_CHOICE = re.compile(r"invalid choice: '(.*)' (\(choose from (.*)\))$")
+
+
+def _usage_message(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's message, a long list of choices cut to its count, then the nearest one."""
+    hint = _suggestion(parser, message)
+    choice = _INVALID_CHOICE.search(message)
+    if choice and len(listed := re.findall(r"'([^']*)'", choice.group(3))) > _CHOICES_SHOWN:
+        message = (message[:choice.start(2)] + f"(one of {len(listed)}: "
+                   f"`{parser.prog} --help` lists them)")
+    return f"{message}.{hint}" if hint else message
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Its option strings and its actions' (`series list --jsn` is refused by `series`, which
+    holds `list`'s options only through its subparser)."""
+    found = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options(sub)
+    return found
+
+
+_CHOICES_SHOWN = 16  # the command names, every one
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """The nearest option or choice to what argparse refused, as schema errors name it; '' when
+    nothing is near (argparse itself names neither)."""
+    from m3patch.schema import suggest
+
+    unknown = _UNRECOGNIZED.search(message)
+    if unknown:
+        options = [o for o in _options(parser) if o.startswith("--")]
+        flags = [arg.split("=", 1)[0] for arg in unknown.group(1).split()
+                 if arg.startswith("--")]
+        return "".join(suggest(flag, options) for flag in flags[:1])
+    choice = _INVALID_CHOICE.search(message)
+    if choice:
+        return suggest(choice.group(1), re.findall(r"'([^']*)'", choice.group(3)))
+    return ""
+
 
 def _top_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -144,7 +193,7 @@ class _JsonUsageParser(_Parser):
         from m3patch.patching import report_json
 
         report_json.start(self.prog.removeprefix("m3patch "))
-        msg = f"{self.prog}: {message}"
+        msg = f"{self.prog}: {_usage_message(self, message)}"
         raise UsageError(msg, hint=f"{self.prog} --help")
 
 

@@ -111,3 +111,35 @@ def test_an_unwritable_report_file_is_output_failed_in_every_command(
     err = capsys.readouterr().err
     assert code == OutputFailed.exit_code == 27, err
     assert f"cannot write {target}, the file {flag} names" in err and "fix:" in err
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["apply", "--dry-rn"], "unrecognized arguments: --dry-rn. Perhaps you meant '--dry-run'?"),
+    (["aply"], "invalid choice: 'aply' (choose from 'locate', "),
+    (["aply"], "'tune'). Perhaps you meant 'apply'?"),
+    (["changelog", "chek"], "Perhaps you meant 'check'?"),
+    (["series", "list", "--pythn"], "--pythn. Perhaps you meant '--python'?"),
+    (["bench", "results", "--metric", "p99_tpto"],
+     "invalid choice: 'p99_tpto' (one of 44: `m3patch bench --help` lists them). "
+     "Perhaps you meant 'p99_tpot'?"),
+])
+def test_a_refused_flag_or_choice_names_the_nearest(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse names neither; the schema's errors do, and a command line should too. A long
+    list of choices is cut to its count (the unknown changelog key printed some 45 names)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_nothing_near_adds_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["apply", "--zzzzz"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzzzz")
+
+
+def test_under_json_the_usage_error_names_the_nearest_too(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["apply", "--json", "--dry-rn"]) == 2
+    assert "Perhaps you meant '--dry-run'?" in capsys.readouterr().out
