@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,8 +114,7 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     if recipe.topology is not None:
         print("# a multi-node set: each node's own command, env and gate follow the sweep")
     else:
-        print("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env_overrides) + " \\")
-        print("  " + shlex.join(plan.spec.argv))
+        print("\n".join(shell_lines(plan.env_overrides, plan.spec.argv)))
         print("\n".join(marker_lines(plan.markers)))
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
@@ -163,10 +162,31 @@ def topology_lines(recipe: Recipe, python: str) -> list[str]:
         out += [f"# node {plan.node} (role {role.name}: {role.kind}, {role.nodes} node(s), {workers})",
                 f"#   run there: m3patch serve {recipe.path} --role {plan.node.role} "
                 f"--rank {plan.node.rank} --run-dir RUN",
-                "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.plan.env_overrides) + " \\",
-                "  " + shlex.join(plan.argv)]
+                *shell_lines(plan.plan.env_overrides, plan.argv)]
         out += ["  " + line for line in marker_lines(plan.plan.markers)]
     return out
+
+
+def shell_lines(env: Iterable[tuple[str, str]], argv: Sequence[str], width: int = 100
+                ) -> list[str]:
+    """`env K=V ... argv` as one shell command over lines a terminal shows whole: words joined
+    up to `width`, an option kept with its value, every line but the last ending in ` \\`."""
+    words = ["env", *(f"{k}={shlex.quote(v)}" for k, v in env), "\n" + shlex.quote(argv[0])]
+    rest = [shlex.quote(arg) for arg in argv[1:]]
+    while rest:  # an option and the value after it stay one unit
+        take = 2 if rest[0].startswith("-") and len(rest) > 1 and not rest[1].startswith("-") \
+            else 1
+        words.append(" ".join(rest[:take]))
+        rest = rest[take:]
+    lines, line = [], ""
+    for word in words:  # the interpreter starts a line of its own ("\n")
+        if word.startswith("\n") or (line and len(line) + 1 + len(word) > width):
+            word = word.removeprefix("\n")
+            lines.append(line)
+            line = "   " + word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*(f"{text} \\" for text in lines), line]
 
 
 def marker_lines(markers: Iterable[MarkerSpec]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import shlex
 import struct
 import subprocess
 import sys
@@ -167,3 +168,35 @@ def test_a_copied_shipped_recipe_validates_anywhere(m3patch_cli: Cli, tmp_path: 
     result = m3patch_cli("recipe", "validate", str(old))
     assert result.returncode == 2, result.stderr
     assert "At key: series" in result.stderr and "write `series: vllm-0.33.0`" in result.stderr
+
+
+def test_the_launch_is_one_shell_command_over_lines_a_terminal_shows_whole(
+        m3patch_cli: Cli) -> None:
+    """Before: `recipe show` printed the env and the argv as two lines of some 400 and 500
+    columns. Now lines of at most 100 columns, joined by ` \\`, that a shell reads back as the
+    exact words, an option beside its value and the interpreter starting its own line."""
+    show = m3patch_cli("recipe", "show", "mi300x_tp8")
+    assert show.returncode == 0, show.stderr
+    lines = show.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("env "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith(" \\"))
+    launch = lines[start:end + 1]
+    assert all(len(line) <= 100 for line in launch), launch
+    assert any(line.startswith(f"   {sys.executable} -m vllm") or
+               line.startswith(f"   {shlex.quote(sys.executable)} -m vllm") for line in launch)
+    assert "   --tensor-parallel-size 8 " in "\n".join(launch) + " "
+    words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + "\n".join(launch)],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words[0] == "env" and "VLLM_ROCM_USE_AITER=1" in words
+    assert words[words.index("--tensor-parallel-size") + 1] == "8"
+    assert words[-2:] == ["--max-num-batched-tokens", "16384"]
+
+
+def test_shell_lines_keep_every_word_even_one_past_the_width() -> None:
+    from m3patch.commands.recipe import shell_lines
+
+    argv = ["/py", "-m", "vllm", "serve", "x" * 150, "--flag", "a b", "--switch", "--n", "1"]
+    lines = shell_lines([("K", "v w")], argv, width=40)
+    assert lines[0] == "env K='v w' \\" and lines[1].startswith("   /py -m vllm")
+    joined = " ".join(line.removesuffix(" \\") for line in lines)
+    assert shlex.split(joined) == ["env", "K=v w", *argv]
