@@ -74,9 +74,15 @@ def start_tree_command(args: argparse.Namespace) -> tuple[VllmTree, Series]:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    from m3patch.patching import memo
+
     msg = f"received signal {signal.Signals(signum).name}"
-    interrupt(Interrupted(msg, hint="re-run the same command; the next apply or revert completes "
-                          "or rolls back an interrupted transaction"))
+    if memo.writes_allowed():
+        hint = ("re-run the same command; the next apply or revert completes or rolls back an "
+                "interrupted transaction")
+    else:  # locate, status, verify: nothing was begun that a later run must finish
+        msg, hint = msg + " (this command writes nothing)", "re-run the same command"
+    interrupt(Interrupted(msg, hint=hint))
 
 
 def prepare_process() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from m3patch.errors import VerifyFailed, VersionMismatch, VllmNotFound
-from m3patch.fsio import path_is
+from m3patch.fsio import path_is, read_state
 from m3patch.shipped import shipped_dir
 
 ENV_ROOT = "M3PATCH_VLLM_ROOT"
@@ -89,7 +89,7 @@ def read_version(package_dir: Path) -> tuple[str, str | None]:
     """(version, commit) from vllm/_version.py, parsed as text (never imported)."""
     path = package_dir / "_version.py"
     try:
-        values = _assignments(path.read_text(encoding="utf-8"))
+        values = _assignments(read_state(path, SMALL_FILE_MAX, links=True).decode("utf-8"))
     except (OSError, SyntaxError, ValueError) as exc:
         msg = f"{path}: cannot read the vLLM version ({exc})"
         raise VllmNotFound(msg, hint="reinstall vLLM or pass --vllm-root to a complete tree") from None
@@ -105,9 +105,14 @@ def read_version(package_dir: Path) -> tuple[str, str | None]:
     return version, commit.removeprefix("g") if commit else None
 
 
+# The installed tree is read as untrusted: a FIFO or a device there is refused, never waited on.
+SMALL_FILE_MAX = 1 << 20
+RECORD_MAX = 16 << 20
+
+
 def _installed_package_files(dist: Path) -> bool:
     try:
-        record = (dist / "RECORD").read_text(encoding="utf-8", errors="replace")
+        record = read_state(dist / "RECORD", RECORD_MAX, links=True).decode("utf-8", "replace")
     except OSError:
         return False
     return any(line.startswith("vllm/") for line in record.splitlines())
@@ -127,7 +132,7 @@ def _dist_info(root: Path) -> tuple[str, str, bool] | None:
     name, _, version = dist.name.removesuffix(".dist-info").partition("-")
     editable = False
     try:
-        direct = json.loads((dist / "direct_url.json").read_text())
+        direct = json.loads(read_state(dist / "direct_url.json", SMALL_FILE_MAX, links=True))
         info = direct.get("dir_info") if isinstance(direct, dict) else None
         editable = isinstance(info, dict) and info.get("editable") is True
     except (OSError, ValueError, RecursionError):  # metadata describes; it never fails a lookup

@@ -147,19 +147,24 @@ def _record_of(root: Path) -> Path | None:
 Row = tuple[str, int | None]  # a RECORD row's digest ("" for none: RECORD itself) and size
 
 
-def _record_rows(record: Path) -> dict[str, Row]:
-    """RECORD's names the extraction keeps, with their digests and sizes. Raises ValueError for
-    a RECORD that is not a wheel's (csv's field limit, a size that is no number)."""
+def _record_rows(record: Path) -> tuple[bytes, dict[str, Row]]:
+    """RECORD's bytes (read once, as untrusted state: a FIFO or a link there is refused, never
+    waited on or followed) and its names the extraction keeps, with their digests and sizes.
+    Raises OSError, or ValueError for a RECORD that is not a wheel's (not UTF-8, csv's field
+    limit, a size that is no number)."""
+    data = read_state(record, RECORD_MAX_BYTES)
     rows: dict[str, Row] = {}
     try:
-        with record.open(encoding="utf-8", newline="") as fh:
-            for row in csv.reader(fh):
-                if row and _kept(row[0]):
-                    size = row[2] if len(row) > 2 else ""
-                    rows[row[0]] = (row[1] if len(row) > 1 else "", int(size) if size else None)
+        for row in csv.reader(io.StringIO(data.decode("utf-8"), newline="")):
+            if row and _kept(row[0]):
+                size = row[2] if len(row) > 2 else ""
+                rows[row[0]] = (row[1] if len(row) > 1 else "", int(size) if size else None)
     except csv.Error as exc:
         raise ValueError(str(exc)) from None
-    return rows
+    return data, rows
+
+
+RECORD_MAX_BYTES = 16 << 20  # vLLM's is some 300 kB
 
 
 def _held(path: Path, row: Row) -> bytes | None:
@@ -231,8 +236,7 @@ def tree_problems(root: Path, entries: list[tuple[str, os.stat_result]]) -> list
     if record is None:
         return ["no single *.dist-info/RECORD"]
     try:
-        rows = _record_rows(record)
-        data = record.read_bytes()
+        data, rows = _record_rows(record)
     except (OSError, ValueError) as exc:
         return [f"{record.name} unreadable ({exc})"]
     bad = [name for name, row in rows.items() if row[0] and not _holds(root / name, row)]
@@ -278,7 +282,7 @@ def cached_file(version: str, path: str, dist: str = "vllm") -> bytes | None:
     root = cache_root() / f"tree-{dist}-{version}"
     record = _record_of(root) if path_is(root / DONE_MARK, "file") else None
     try:
-        row = _record_rows(record).get(path) if record is not None else None
+        row = _record_rows(record)[1].get(path) if record is not None else None
     except (OSError, ValueError):
         return None
     return _held(root / path, row) if row is not None and row[0] else None
@@ -353,7 +357,7 @@ def verify_against_record(root: Path) -> list[str]:
     if record is None:
         return ["<no RECORD>"]
     try:
-        rows = _record_rows(record)
+        _, rows = _record_rows(record)
     except (OSError, ValueError):
         return [f"<{record.name} unreadable>"]
     return [name for name, row in rows.items() if row[0] and not _holds(root / name, row)]

@@ -87,6 +87,44 @@ def test_a_vllm_root_longer_than_the_file_system_allows_is_a_root_without_vllm(
     assert f"{long}: no vllm package here" in proc.stderr and "internal error" not in proc.stderr
 
 
+@pytest.mark.parametrize("name", ["vllm/_version.py", "vllm-0.33.0.dist-info/RECORD",
+                                  "vllm-0.33.0.dist-info/direct_url.json"])
+def test_a_fifo_in_the_installed_tree_is_refused_never_waited_on(
+        tmp_path: Path, m3patch_cli: CliRunner, name: str) -> None:
+    """Before: `locate` opened a FIFO at the version file (or the dist-info's RECORD or
+    direct_url.json) and waited for a writer until killed. The version file is refused (3,
+    naming it); the metadata files only describe, so the tree is still located."""
+    root = mini_tree(tmp_path / "site", "0.33.0", "abc1234", dist="vllm")
+    (root / name).unlink(missing_ok=True)
+    os.mkfifo(root / name)
+    proc = m3patch_cli("locate", "--vllm-root", str(root), timeout=60)
+    if name.endswith("_version.py"):
+        assert proc.returncode == errors.VllmNotFound.exit_code, proc.stderr
+        assert f"{root / name}: cannot read the vLLM version" in proc.stderr
+        assert "not a regular file" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "0.33.0" in proc.stdout
+
+
+def test_a_stop_during_a_read_only_command_says_it_wrote_nothing() -> None:
+    """Before: SIGTERM during `locate`, `status` or `verify` said the next apply or revert would
+    finish an interrupted transaction: there was none."""
+    from m3patch.commands.common import _on_sigterm
+    from m3patch.errors import Interrupted, forget_interrupts
+    from m3patch.patching import memo
+
+    for read_only, said in ((True, "re-run the same command"), (False, "completes or rolls back")):
+        forget_interrupts()
+        memo.start_command(read_only)
+        with pytest.raises(Interrupted) as info:
+            _on_sigterm(15, None)
+        assert said in (info.value.hint or "")
+        assert ("writes nothing" in str(info.value)) is read_only
+    forget_interrupts()
+    memo.start_command(False)
+
+
 def test_editable_and_source_checkout(tmp_path: Path) -> None:
     src = mini_tree(tmp_path / "src", "0.33.1.dev12+g4ba787ec9", None)
     (src / ".git").mkdir()

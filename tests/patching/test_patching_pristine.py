@@ -79,7 +79,8 @@ def _record_agrees(tree: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["added file", "record edited too", "link", "done mark lies",
-                                 "huge file", "record field too large"])
+                                 "huge file", "record field too large", "record a fifo",
+                                 "record a link"])
 def test_every_kind_of_edit_is_found(own_cache: Path, tmp_path: Path, how: str) -> None:
     """Later cases (a second hostile review): a done mark naming another wheel made the check
     fall back to the tree's own RECORD (edited to agree: trusted, and pinned into a lock); a
@@ -100,6 +101,14 @@ def test_every_kind_of_edit_is_found(own_cache: Path, tmp_path: Path, how: str) 
         target.unlink()
         with target.open("wb") as fh:
             fh.truncate(8 << 30)
+    elif how == "record a fifo":  # Before: opened and read: the check waited for a writer
+        (tree / RECORD).unlink()  # forever (`series lock --pristine` hung until killed)
+        os.mkfifo(tree / RECORD)
+    elif how == "record a link":  # to the wheel's own RECORD bytes, elsewhere: still refused
+        outside = tmp_path / "RECORD"
+        outside.write_bytes((tree / RECORD).read_bytes())
+        (tree / RECORD).unlink()
+        (tree / RECORD).symlink_to(outside)
     elif how == "record field too large":
         record = (tree / RECORD).read_bytes()
         replace_file(tree / RECORD, record + b"vllm/x.py,sha256=" + b"a" * 200_000 + b",1\n")
