@@ -442,23 +442,20 @@ def parse_json(data: bytes | str, where: str, *, error: type[M3PatchError], hint
 STATE_MAX_BYTES = 256 << 20  # no state file m3patch writes comes near this
 
 
+TREE_FILE_MAX_BYTES = 64 << 20  # vLLM's largest source file is under 1 MB
+
+
 def read_bytes(path: Path | str) -> bytes:
-    """`Path.read_bytes` with half the system calls (no buffered file object): the same
-    errors (FileNotFoundError, IsADirectoryError, OSError); read per file of every command."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        chunks = [os.read(fd, info.st_size + 1)]
-        while chunks[-1]:  # a file that grew while read, or one whose size says nothing
-            chunks.append(os.read(fd, 1 << 20))
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """A file of the vLLM tree, with half the system calls of `Path.read_bytes` (no buffered
+    file object); read per file of every command, by read_state. The tree is input: a FIFO
+    there would block, a device never end, a sparse file fill memory, so only a regular file of
+    at most TREE_FILE_MAX_BYTES is read (else OSError EINVAL or EFBIG naming the path); a link
+    is never followed (ELOOP: safe_targets refuses links before this, this closes the race).
+    FileNotFoundError and IsADirectoryError as `Path.read_bytes`."""
+    return read_state(path, TREE_FILE_MAX_BYTES)
 
 
-def read_state(path: Path, limit: int = STATE_MAX_BYTES, *, links: bool = False) -> bytes:
+def read_state(path: Path | str, limit: int = STATE_MAX_BYTES, *, links: bool = False) -> bytes:
     """The bytes of a state file m3patch wrote, read as untrusted: never through a symlink
     (ELOOP), only a regular file (a FIFO would block, /dev/zero never ends: EINVAL), at most
     `limit` bytes (EFBIG). Raises OSError (FileNotFoundError when missing), like read_bytes.
@@ -468,6 +465,8 @@ def read_state(path: Path, limit: int = STATE_MAX_BYTES, *, links: bool = False)
     fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         if info.st_size > limit:

@@ -37,6 +37,8 @@ from m3patch.patching.snapshot import (
     read_and_classify,
     read_files,
     transaction_pending,
+    unpinned_message,
+    unpinned_patched,
 )
 from m3patch.patching.states import FileState, Mode
 
@@ -128,7 +130,13 @@ def refuse_other_series(snap: Snapshot, tree: VllmTree) -> None:
     """One tree holds one series: its ledger names it. Taking over a tree another series
     patched would leave that series' other files patched and its folders unrecorded."""
     ledger, series = snap.ledger, snap.series
-    if ledger is None or ledger.series == series.id or not ledger.files:
+    if ledger is not None and ledger.series == series.id:
+        stray = unpinned_patched(tree, ledger, series.id, snap.statuses)
+        if stray:
+            msg, hint = unpinned_message(tree, series, stray)
+            raise PatchConflict(msg, hint=hint)
+        return
+    if ledger is None or not ledger.files:
         return
     msg = (f"{tree.root}: the tree holds series {ledger.series} (vllm/.m3patch/ledger.json), "
            f"not {series.id}; one tree holds one series at a time")

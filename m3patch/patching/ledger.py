@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from m3patch import __version__
 from m3patch.errors import HostilePatch, TreeIOError
-from m3patch.fsio import read_state
+from m3patch.fsio import read_bytes, read_state
 from m3patch.patching.diffs import check_rel_path
 from m3patch.patching.states import Mode
 
@@ -33,7 +33,7 @@ def digest(data: bytes) -> str:
 def file_digest(path: Path) -> str | None:
     """sha256 of a file's bytes; None when it does not exist."""
     try:
-        return digest(path.read_bytes())
+        return digest(read_bytes(path))  # the tree's file: no FIFO, device or link
     except FileNotFoundError:
         return None
     except OSError as exc:

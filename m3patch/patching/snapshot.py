@@ -8,7 +8,8 @@ with them to report that it is stale.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import errno
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,8 +55,21 @@ def _read_one(path: str) -> bytes | None:
                             "`pip install --force-reinstall --no-deps vllm` restores the file"
                             ) from None
     except OSError as exc:
+        if exc.errno in _ODD_FILE:
+            what = _ODD_FILE[exc.errno]
+            msg = f"{path}: {what} stands where the series pins a source file"
+            raise PatchConflict(msg, hint="remove it, then `pip install --force-reinstall "
+                                "--no-deps vllm` restores the file; `m3patch status` shows the "
+                                "rest") from None
         msg = f"{path}: cannot read: {exc.strerror}"
         raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
+
+
+# read_bytes reads only a regular file within its size bound, never through a link
+_ODD_FILE = {errno.EINVAL: "something that is no regular file (a FIFO, a socket or a device)",
+             errno.EFBIG: "a file larger than any vLLM source",
+             errno.ELOOP: "a symlink",
+             errno.ENXIO: "a socket"}  # open(2) of a unix socket
 
 
 def current_hashes(contents: Contents) -> dict[str, str | None]:
@@ -110,7 +124,7 @@ def check_series_target(tree: VllmTree, series: Series, hashes: Mapping[str, tup
     pins = hashes.get(VERSION_FILE)
     if pins is not None:
         try:
-            current: str | None = digest((tree.root / VERSION_FILE).read_bytes())
+            current: str | None = digest(read_bytes(tree.root / VERSION_FILE))
         except OSError:
             current = None
         if current is not None and current == pins[0]:
@@ -184,6 +198,33 @@ def ledger_view(snap: Snapshot) -> dict[str, engine.FileStatus]:
             status = engine.locate_drift(chain, status, snap.contents[chain.path], pristine)
         view[chain.path] = status
     return view
+
+
+def unpinned_patched(tree: VllmTree, ledger: Ledger | None, series_id: str,
+                     pinned_paths: Collection[str]) -> tuple[str, ...]:
+    """Files the ledger of a series of this id records as patched, that this lock does not pin,
+    and that are not back at their recorded pre-image. A series relocked under the same id
+    without a patch would otherwise leave that patch's files patched with every command
+    passing: the tree holds another series, whatever its name."""
+    if ledger is None or ledger.series != series_id:
+        return ()
+    extra = [f for f in ledger.files if f.path not in pinned_paths]
+    if not extra:
+        return ()
+    hashes = current_hashes(read_files(tree, [f.path for f in extra]))
+    return tuple(f.path for f in extra if hashes[f.path] != f.pre)
+
+
+def unpinned_message(tree: VllmTree, series: Series, paths: tuple[str, ...]) -> tuple[str, str]:
+    """What apply, revert, verify and status say of unpinned_patched files: (message, hint)."""
+    msg = (f"{tree.root}: {len(paths)} file(s) patched by an earlier lock of series {series.id} "
+           f"that this lock does not pin (e.g. {paths[0]}; vllm/.m3patch/ledger.json records "
+           "them): the tree holds another series of the same name")
+    hint = (f"revert with the series folder that patched it (`m3patch revert --vllm-root "
+            f"{tree.root} --series <that folder>`), or restore vLLM (`pip install "
+            f"--force-reinstall --no-deps vllm=={series.target_version}`, then remove "
+            f"{tree.root}/vllm/.m3patch); then `m3patch apply --series {series.directory}`")
+    return msg, hint
 
 
 def ledger_notes(series_id: str, hashes: Mapping[str, tuple[str | None, ...]],

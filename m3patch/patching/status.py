@@ -19,6 +19,8 @@ from m3patch.patching.snapshot import (
     ledger_view,
     read_and_classify,
     transaction_pending,
+    unpinned_message,
+    unpinned_patched,
 )
 from m3patch.patching.states import FileState, Mode, PatchState, state_name
 
@@ -34,11 +36,12 @@ class StatusReport:
     files: tuple[dict[str, Any], ...]
     notes: tuple[str, ...]
     interrupted: bool = False  # a journal of a killed run is pending
+    unpinned: tuple[str, ...] = ()  # patched by an earlier lock of this series id (unpinned_patched)
 
     @property
     def conflicts(self) -> tuple[str, ...]:
         """Files that neither apply nor revert can take as they are (exit 5 in `status`)."""
-        return tuple(f["path"] for f in self.files if f["state"] in CONFLICT_STATES)
+        return (*(f["path"] for f in self.files if f["state"] in CONFLICT_STATES), *self.unpinned)
 
     def to_json(self) -> dict[str, Any]:
         """The status fields of the --json object; states as stable names without spaces."""
@@ -75,5 +78,10 @@ def tree_status(tree: VllmTree, series: Series) -> StatusReport:
                  for p in series.patches)
     currents = {p: s.current for p, s in snap.statuses.items()}
     notes += ledger_notes(series.id, pins.hashes, currents, snap.ledger, snap.ledger_note)
+    stray = unpinned_patched(tree, snap.ledger, series.id, pins.hashes)
+    if stray:
+        msg, hint = unpinned_message(tree, series, stray)
+        notes.append(f"{msg}; {hint}")
     return StatusReport(series_id=series.id, vllm_version=tree.version, patches=rows,
-                        files=files, notes=tuple(notes), interrupted=interrupted)
+                        files=files, notes=tuple(notes), interrupted=interrupted,
+                        unpinned=stray)

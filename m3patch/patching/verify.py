@@ -29,6 +29,8 @@ from m3patch.patching.snapshot import (
     read_and_classify,
     read_files,
     transaction_pending,
+    unpinned_message,
+    unpinned_patched,
 )
 from m3patch.patching.states import Mode, state_name
 
@@ -42,6 +44,7 @@ class VerifyReport:
     compiler: str = ""  # which interpreter compiled the patched .py files, and why that one
     # per file off its pinned post-image: path, state, sha256 and per-hunk fields (for --json)
     files: tuple[dict[str, Any], ...] = ()
+    fix: str = "m3patch apply (or m3patch status for details)"
 
     @property
     def ok(self) -> bool:
@@ -63,7 +66,7 @@ class VerifyReport:
 
             headline = f"{self.problem_count} problem(s) in the patched tree"
             msg = engine.summarize(self.problems, headline)
-            raise VerifyFailed(msg, hint="m3patch apply (or m3patch status for details)")
+            raise VerifyFailed(msg, hint=self.fix)
 
 
 def _memoized(sources: Mapping[str, bytes], hashes: Mapping[str, str | None], key: str | None,
@@ -143,10 +146,15 @@ def verify_tree(tree: VllmTree, series: Series, *, contents: Contents | None = N
                           "sha256": status.current,
                           "hunks": [h.fields(pid) for pid, h in status.hunks],
                           "differs_at": status.differs_at})
+    stray = unpinned_patched(tree, ledger, series.id, pins.hashes)
+    fix = VerifyReport.fix
+    if stray:  # apply refuses such a tree: the way back is the other series' revert
+        problem, fix = unpinned_message(tree, series, stray)
+        problems.append(problem)
     who, bad = content_problems(tree.python, {p: data[p] for p in pins.hashes if p not in off},
                                 currents)
     notes = [] if target.plain else [target.note]
     notes += ledger_notes(series.id, pins.hashes, currents, ledger, note)
     return VerifyReport(series_id=series.id, checked=tuple(pins.hashes),
                         problems=(*problems, *bad), notes=tuple(notes), compiler=who,
-                        files=tuple(files))
+                        files=tuple(files), fix=fix)

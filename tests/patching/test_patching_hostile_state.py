@@ -11,6 +11,8 @@ import io
 import json
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -218,6 +220,35 @@ def test_a_state_file_link_to_dev_zero_or_a_fifo_is_refused(vllm_tree: Path,
     os.mkfifo(state(vllm_tree) / "journal.json")
     code, _, err = cli("apply", *root)
     assert code == errors.TreeIOError.exit_code, err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char device", "sparse 8 GB", "socket"])
+def test_a_fifo_device_or_huge_file_at_a_pinned_path_is_refused_at_once(
+        kind: str, vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    """A FIFO where the series pins vllm/logger.py hung status, verify and apply (apply while
+    holding the tree lock); a character device gave 70 or ran out of memory. Only a regular
+    file within a source's size is read: 5 naming the file, nothing written."""
+    target = vllm_tree / "vllm" / "logger.py"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "char device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod of a character device needs root")
+        os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(target))
+    else:
+        with open(target, "wb") as sparse:
+            sparse.truncate(8 << 30)
+    root = ("--vllm-root", str(vllm_tree), "--series", str(test_series))
+    for command in ("status", "verify", "apply"):
+        proc = m3patch_cli(command, *root, timeout=60)
+        assert proc.returncode == errors.PatchConflict.exit_code, (command, proc.stderr)
+        assert "vllm/logger.py" in proc.stderr and "Traceback" not in proc.stderr
+        assert "pip install --force-reinstall" in proc.stderr
+    assert not (state(vllm_tree) / "ledger.json").exists()
 
 
 # ------------------------------------------------------------- file modes

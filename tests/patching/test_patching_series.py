@@ -217,6 +217,42 @@ def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_series_relocked_under_its_id_without_a_patch_is_another_series(
+        vllm_tree: Path, pristine_033: Path, tmp_path: Path, m3patch_cli: CliRunner) -> None:
+    """The shipped series less a patch, relocked under the same id, on a tree the whole series
+    patched: apply, revert, verify and status all exited 0, the dropped patch's files left
+    patched. The ledger's files that the lock does not pin mark another series: 5 from apply,
+    revert and status, 8 from verify, naming a file and the way back; nothing written."""
+    first = REPO / "patches" / "vllm-0.33.0"
+    second = tmp_path / "vllm-0.33.0"
+    shutil.copytree(first, second)
+    manifest = (second / "series.yaml").read_text()
+    start = manifest.index("  - id: tuned-tables-h200")
+    end = manifest.index("  - id: packed-e8m0-scales")
+    (second / "series.yaml").write_text(manifest[:start] + manifest[end:])
+    (second / "0005-tuned-tables-h200.patch").unlink()
+    locked = m3patch_cli("series", "lock", "--series", str(second), "--tree", str(pristine_033))
+    assert locked.returncode == 0, locked.stderr
+    root = ("--vllm-root", str(vllm_tree))
+    assert m3patch_cli("apply", *root, "--series", str(first)).returncode == 0
+    ledger = (vllm_tree / "vllm/.m3patch/ledger.json").read_bytes()
+    configs = vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch"
+    expected = {"apply": errors.PatchConflict.exit_code, "revert": errors.PatchConflict.exit_code,
+                "status": errors.PatchConflict.exit_code, "verify": errors.VerifyFailed.exit_code}
+    for command, code in expected.items():
+        proc = m3patch_cli(command, *root, "--series", str(second))
+        assert proc.returncode == code, (command, proc.stdout, proc.stderr)
+        said = proc.stdout + proc.stderr
+        assert "earlier lock of series vllm-0.33.0" in said and "configs/m3patch/" in said
+        assert "m3patch revert" in said, said
+    assert (vllm_tree / "vllm/.m3patch/ledger.json").read_bytes() == ledger
+    assert m3patch_cli("revert", *root, "--series", str(first)).returncode == 0
+    assert not configs.exists()
+    for command in ("apply", "verify", "status"):
+        proc = m3patch_cli(command, *root, "--series", str(second))
+        assert proc.returncode == 0, (command, proc.stderr)
+
+
 def test_a_recipe_names_its_series_by_the_name_series_list_prints(tmp_path: Path) -> None:
     """A user's recipe outside the checkout says `series: vllm-0.33.0` (no patches/ folder
     beside it): the shipped series of that name is used; a folder there still wins."""
