@@ -7,6 +7,7 @@ Loaders call these on raw YAML and return frozen dataclasses; raw dicts never le
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -185,14 +186,37 @@ def expect_int(value: object, *, minimum: int | None = None) -> int:
     return value
 
 
+def short_repr(value: object, limit: int = 40) -> str:
+    """`repr(value)` cut to `limit` characters: a value read back may be a 400-digit integer."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def finite_number(value: object) -> float | None:
+    """`value` as a float when it is a finite int or float (never a bool), else None. Files read
+    back hold what JSON and YAML can say: NaN, infinities, and integers of any size
+    (`math.isfinite(10**400)` raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def expect_number(value: object, *, minimum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         msg = f"expected a number, got {type_name(value)}"
         raise SchemaError(msg)
-    if minimum is not None and value < minimum:
+    number = finite_number(value)
+    if number is None:  # a NaN deadline never ends a wait; a NaN ratio passes every comparison
+        msg = f"expected a finite number, got {short_repr(value)}"
+        raise SchemaError(msg)
+    if minimum is not None and number < minimum:
         msg = f"expected a number >= {minimum}, got {value}"
         raise SchemaError(msg)
-    return float(value)
+    return number
 
 
 def expect_choice(value: object, choices: Iterable[str]) -> str:

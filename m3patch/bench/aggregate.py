@@ -28,6 +28,7 @@ from typing import Any
 
 from m3patch.bench.agentic.results import ROW_FIELDS as AGENTIC_FIELDS
 from m3patch.bench.agentic.results import agentic_row, is_agentic, read_agentic_cell
+from m3patch.bench.cell_shape import AGENTIC_SHAPE_FIELDS, SHAPE_FIELDS, shape
 from m3patch.bench.inferencex import SOURCE_HINT, inferencex_aggregate, is_inferencex
 from m3patch.bench.results import (
     BURST_FLOOR_MS,
@@ -43,6 +44,7 @@ from m3patch.eval.compare import EVALS, EvalRow, accuracy_cell, check_evals, eva
 from m3patch.fsio import path_is, read_json, write_bytes_atomic
 from m3patch.recipe.agentic import AGENTIC_CODING
 from m3patch.recipe.lengths import CONVENTIONS
+from m3patch.schema import finite_number, short_repr
 
 AGGREGATE_JSON = "aggregate.json"
 AGGREGATE_CSV = "aggregate.csv"
@@ -336,13 +338,15 @@ def load_aggregate(path: Path) -> dict[str, Any]:
 
 
 def _check_unique(rows: list[dict[str, Any]], file: Path) -> None:
-    """One row per cell: a second copy would silently win (or go unmatched) in a comparison."""
-    first: dict[str, int] = {}
+    """One row per cell, a cell being what compare matches on (its shape and concurrency): a
+    second copy, under its own cell_id or not, would silently win (or go unmatched)."""
+    first: dict[tuple[Any, ...], int] = {}
     for index, row in enumerate(rows):
-        earlier = first.setdefault(row["cell_id"], index)
+        earlier = first.setdefault((shape(row), row["concurrency"]), index)
         if earlier != index:
-            msg = (f"{file}: key 'rows[{index}].cell_id': cell {row['cell_id']!r} appears twice "
-                   f"(rows[{earlier}] and rows[{index}]); an aggregate holds one row per cell")
+            msg = (f"{file}: key 'rows[{index}]': cell {row['cell_id']!r} repeats the shape and "
+                   f"concurrency of rows[{earlier}] ({rows[earlier]['cell_id']!r}); an aggregate "
+                   "holds one row per cell")
             raise ResultsInvalid(msg, hint="aggregate the run again from its cell files: "
                                  "m3patch bench RECIPE --resume --run-dir RUN")
 
@@ -358,6 +362,11 @@ def _own_flags(row: dict[str, Any]) -> dict[str, Any]:
 def _check_row(row: object, where: str, file: Path) -> None:
     if not isinstance(row, dict):
         raise invalid(file, where, "expected an object")
+    for key in (*SHAPE_FIELDS, *AGENTIC_SHAPE_FIELDS):  # compared by value: scalars only
+        value = row.get(key)
+        if not (value is None or isinstance(value, (str, bool)) or finite_number(value) is not None):
+            raise invalid(file, f"{where}.{key}", "expected a string, a finite number or null, "
+                          f"got {type(value).__name__}")
     if row.get("scenario_type") == AGENTIC_CODING:
         _check_agentic_row(row, where, file)
         return
@@ -383,11 +392,12 @@ def _check_row(row: object, where: str, file: Path) -> None:
             raise invalid(file, f"{where}.{key}", f"expected a string, got {row[key]!r}")
     ratio = row["range_ratio"]
     # null: an InferenceX row, which does not record its length distribution.
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
-        raise invalid(file, f"{where}.range_ratio", f"expected a number, got {ratio!r}")
-    tput = row["tput_per_gpu"]
-    if isinstance(tput, bool) or not isinstance(tput, (int, float)) or tput < 0:
-        raise invalid(file, f"{where}.tput_per_gpu", f"expected a number >= 0, got {tput!r}")
+    if ratio is not None and finite_number(ratio) is None:
+        raise invalid(file, f"{where}.range_ratio", f"expected a number, got {short_repr(ratio)}")
+    tput = finite_number(row["tput_per_gpu"])
+    if tput is None or tput < 0:
+        raise invalid(file, f"{where}.tput_per_gpu",
+                      f"expected a number >= 0, got {short_repr(row['tput_per_gpu'])}")
 
 
 def _check_agentic_row(row: dict[str, Any], where: str, file: Path) -> None:
@@ -400,6 +410,8 @@ def _check_agentic_row(row: dict[str, Any], where: str, file: Path) -> None:
         if not isinstance(row.get(key), str):
             raise invalid(file, f"{where}.{key}", f"expected a string, got {row.get(key)!r}")
     for key in ("tput_per_gpu", "p90_e2e_norm_intvty"):
-        value = row.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise invalid(file, f"{where}.{key}", f"expected a number >= 0, got {value!r}")
+        value = finite_number(row.get(key))
+        if value is None or value < 0:
+            raise invalid(file, f"{where}.{key}", f"expected a number >= 0, got "
+                          f"{short_repr(row.get(key))}")
+

@@ -18,6 +18,7 @@ from m3patch.bench.compare import Comparison, compare_rows
 HEADLINES = (("tput_per_gpu", "TPUT/GPU"), ("median_intvty", "Intvty Median"),
              ("p99_ttft", "TTFT P99 (lower is better)"),
              ("median_e2el", "E2EL Median (lower is better)"))
+HEADLINE_METRICS = tuple(metric for metric, _ in HEADLINES)
 PLACEHOLDER = "XXX"
 
 

@@ -19,17 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from m3patch.bench.aggregate import ALL_STATS, INTVTY_STATS
+from m3patch.bench.cell_shape import shape
 from m3patch.bench.results import METRICS
 from m3patch.errors import ResultsInvalid
-from m3patch.recipe.lengths import INFERENCEX, VLLM
+from m3patch.recipe.lengths import INFERENCEX
+from m3patch.schema import finite_number, short_repr
 
-# range_ratio too: another length distribution is another workload, not a speedup.
-# isl_convention too: an ISL that counts the chat template is another input than one that does not.
-SHAPE_FIELDS = ("isl", "osl", "range_ratio", "length_convention", "isl_convention", "tp", "pp",
-                "ep", "dp", "dp_attention", "gpu_count")
-# An agentic row's shape adds the scenario, its KV-offload tier and the trace it replayed; a
-# fixed-length row has none of them (null), so the two never match each other.
-AGENTIC_SHAPE_FIELDS = ("scenario_type", "kv_offload_label", "trace")
 AGENTIC_STATS = ("mean", "p50", "p75", "p90", "p95")
 DEFAULT_METRIC = "tput_per_gpu"
 CHANGE_TOLERANCE_PCT = 0.05  # |change| at most this: "same" (half the table's 0.1 % step)
@@ -82,14 +77,6 @@ class Comparison:
     unmatched: tuple[Unmatched, ...]
 
 
-def shape(row: dict[str, Any]) -> tuple[Any, ...]:
-    # Rows written before the convention was recorded used vLLM's.
-    filled = {**row, "length_convention": row.get("length_convention") or VLLM,
-              "isl_convention": row.get("isl_convention") or "prompt"}
-    return (*(filled[field] for field in SHAPE_FIELDS),
-            *(row.get(field) for field in AGENTIC_SHAPE_FIELDS))
-
-
 def seq_label(row: dict[str, Any]) -> str:
     """ISL/OSL of a fixed-length row; `agentic <tier>` of an agentic-coding one."""
     if row.get("scenario_type") == "agentic-coding":
@@ -140,9 +127,9 @@ def check_metric(rows: list[dict[str, Any]], metric: str, where: str) -> None:
         value = row.get(metric)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or value < 0:
-            msg = f"{where}: rows[{index}].{metric} is {value!r}, not a finite number >= 0"
+        number = finite_number(value)
+        if number is None or number < 0:
+            msg = f"{where}: rows[{index}].{metric} is {short_repr(value)}, not a finite number >= 0"
             raise ResultsInvalid(msg, hint="re-aggregate the run: m3patch bench RECIPE --resume "
                                  "--run-dir RUN")
 

@@ -19,6 +19,7 @@ from typing import Any
 from m3patch.bench.cells import Parallelism
 from m3patch.bench.results import invalid
 from m3patch.recipe.lengths import INFERENCEX
+from m3patch.schema import short_repr
 
 INFERENCEX_RANGE_RATIO = 0.8  # benchmark_lib.sh run_benchmark_serving: --random-range-ratio 0.8
 SOURCE_HINT = "an InferenceX agg_*.json row, or a JSON array of them"
@@ -78,10 +79,11 @@ def isl_convention(item: dict[str, Any]) -> str:
 def _integer(item: dict[str, Any], key: str, where: str, file: Path) -> int:
     """A positive integer; InferenceX writes isl/osl from the environment, so "1024" is accepted."""
     value = item.get(key)
-    if isinstance(value, str) and value.isdigit():
+    # ASCII digits only: "²".isdigit() is true and int("²") raises
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 12:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise invalid(file, where, f"expected a positive integer, got {value!r}")
+        raise invalid(file, where, f"expected a positive integer, got {short_repr(value)}")
     return value
 
 

@@ -7,7 +7,6 @@ Every malformed or missing file raises ResultsInvalid naming the file and the ke
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from m3patch.bench.cells import Cell
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json, write_json_atomic
+from m3patch.schema import finite_number, short_repr
 
 # Below this median time per output token the client did not see a decode, only the tokens of
 # one network chunk: decode figures are null with the reason (aggregate.py, agentic scoring).
@@ -53,10 +53,11 @@ def number(data: dict[str, Any], key: str, where: Path | str) -> float:
         raise invalid(where, key, "missing")
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(where, key, f"expected a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise invalid(where, key, f"expected a finite number >= 0, got {value!r}")
-    return float(value)
+        raise invalid(where, key, f"expected a number, got {short_repr(value)}")
+    number = finite_number(value)
+    if number is None or number < 0:
+        raise invalid(where, key, f"expected a finite number >= 0, got {short_repr(value)}")
+    return number
 
 
 def count(data: dict[str, Any], key: str, where: Path | str) -> int:

@@ -39,7 +39,8 @@ def git(root: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
 
 def git_toplevel(start: Path) -> Path | None:
     done = git(start, "rev-parse", "--show-toplevel")
-    return Path(done.stdout.decode().strip()) if done.returncode == 0 else None
+    # a checkout's path is bytes to git: os.fsdecode keeps one that is no UTF-8
+    return Path(os.fsdecode(done.stdout.rstrip(b"\n"))) if done.returncode == 0 else None
 
 
 def verify_ref(root: Path, ref: str) -> None:

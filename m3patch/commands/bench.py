@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import AGGREGATE_JSON, load_aggregate
-from m3patch.bench.changelog_entry import changelog_entry
+from m3patch.bench.changelog_entry import HEADLINE_METRICS, changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
 from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
 from m3patch.errors import (
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from m3patch.run.steps import RunOutcome
 
 COMPARE = "compare"
-RECIPE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RECIPE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # fullmatch: `$` lets "\n" end it
 METRICS = tuple(cmp.METRIC_LABELS)
 
 
@@ -166,6 +166,10 @@ def _accuracy(scores: tuple[tuple[eval_compare.Scores, eval_compare.Scores], str
 def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
 
     fields = report_json.start("bench") if json_stdout(args) else None
+    if args.changelog_entry and fields is not None:  # stdout is one thing: the YAML entry
+        msg = "--changelog-entry prints a YAML entry to append to perf-changelog.yaml, not JSON"
+        raise UsageError(msg, hint="drop --json (or drop --changelog-entry for the comparison "
+                         "as JSON)")
     if args.plots and not have_matplotlib():  # before any output: nothing half-done
         msg = "--plots DIR needs matplotlib, which is not installed"
         raise UsageError(msg, hint="pip install 'm3patch[plots]', or drop --plots")
@@ -173,7 +177,10 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     cmp.check_metric(base_agg["rows"], args.metric, str(base))
     cmp.check_metric(new_agg["rows"], args.metric, str(new))
     if args.changelog_entry:
-        return _changelog_entry(base_agg, new_agg, new)
+        for metric in HEADLINE_METRICS:  # every figure the entry states, checked as the metric
+            cmp.check_metric(base_agg["rows"], metric, str(base))
+            cmp.check_metric(new_agg["rows"], metric, str(new))
+        return _changelog_entry(base_agg, new_agg, (base, new), args.metric)
     result = cmp.compare_rows(base_agg["rows"], new_agg["rows"], args.metric)
     scores = _scores(((base, base_agg), (new, new_agg)))
     if fields is not None:  # stdout is the object's alone: no tables
@@ -206,15 +213,19 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any], new: Path) -> int:
+def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any],
+                     paths: tuple[Path, Path], metric: str) -> int:
     """The entry alone on stdout, after one blank line: `>> perf-changelog.yaml` appends it.
     Its key is NEW's InferenceX master-config entry, what an InferenceX checkout's own check
-    accepts; a run of a recipe without one is keyed by the recipe's name (m3patch's recipes/)."""
+    accepts; a run of a recipe without one is keyed by the recipe's name (m3patch's recipes/).
+    An entry that states no change (no cell of the same shape) is refused, as the table is."""
+    new = paths[1]
     name, entry = new_agg.get("recipe_name"), new_agg.get("inferencex_config_entry")
     key = entry if isinstance(entry, str) and entry else name
-    if not isinstance(key, str) or not RECIPE_KEY.match(key):
+    if not isinstance(key, str) or not RECIPE_KEY.fullmatch(key):
         msg = f"{new}: NEW names no m3patch recipe ({key!r}), so the entry has no config key"
         raise UsageError(msg, hint="give an m3patch run folder or aggregate.json as NEW")
+    _refuse_empty(cmp.compare_rows(base_agg["rows"], new_agg["rows"], metric), *paths)
     if key == name:
         warn(f"{new}: its recipe {name!r} names no inferencex.config-entry, so the entry's key is "
              "the m3patch recipe name; an InferenceX checkout's own check accepts only its "

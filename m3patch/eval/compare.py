@@ -14,13 +14,13 @@ hostile input: a malformed one is ResultsInvalid, naming the key.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from m3patch.errors import ResultsInvalid
 from m3patch.fsio import read_json
+from m3patch.schema import finite_number
 
 RECORD = Path("eval") / "eval.json"
 EVALS = "evals"  # aggregate.json's key
@@ -72,8 +72,7 @@ def _gate_passes(score: float, floor: Any, baseline: Any, max_drop: Any) -> bool
 
 
 def _finite(value: object) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and math.isfinite(value))
+    return finite_number(value) is not None
 
 
 def _bad(where: str, key: str, problem: str, hint: str) -> ResultsInvalid:

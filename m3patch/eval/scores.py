@@ -8,13 +8,13 @@ a missing task, a missing metric or a non-number is an EvalError naming what it 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from m3patch.errors import EvalError
 from m3patch.recipe.evals import EvalTask
+from m3patch.schema import finite_number, short_repr
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,11 @@ class TaskVerdict:
 
 
 def _number(value: object, what: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        msg = f"{where}: {what} is {value!r}, not a finite number"
+    number = finite_number(value)
+    if number is None:
+        msg = f"{where}: {what} is {short_repr(value)}, not a finite number"
         raise EvalError(msg)
-    return float(value)
+    return number
 
 
 def _mapping(value: object, what: str, where: str) -> dict[str, Any]:

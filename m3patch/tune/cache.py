@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import stat
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 from m3patch.errors import M3PatchError
 from m3patch.fsio import read_state, trusted_dir
 from m3patch.output import warn
+from m3patch.schema import finite_number, short_repr
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,11 @@ def _number(raw: object) -> float | None:
     time could win the pick); anything else is a ValueError and the line is dropped."""
     if raw is None:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) \
-            or raw < 0:
-        msg = f"not a finite number >= 0: {raw!r}"
+    number = finite_number(raw)
+    if number is None or number < 0:
+        msg = f"not a finite number >= 0: {short_repr(raw)}"
         raise ValueError(msg)
-    return float(raw)
+    return number
 
 
 def _parse(line: str) -> Result | None:

@@ -129,3 +129,59 @@ def test_a_run_records_its_recipes_inferencex_config_entry(tmp_path: Path) -> No
 
 def entry_text(key: str) -> str:
     return f'- config-keys:\n    - {key}\n  description:\n    - "base"\n  pr-link: XXX\n'
+
+
+def _edited(tmp_path: Path, edit: object) -> Path:
+    run = shutil.copytree(RUNS / "new", tmp_path / "edited")
+    data = json.loads((run / "aggregate.json").read_text())
+    for row in data["rows"]:
+        edit(row)  # type: ignore[operator]
+    (run / "aggregate.json").write_text(json.dumps(data))
+    return run
+
+
+@pytest.mark.parametrize(("metric", "value"), [("p99_ttft", -5.0), ("median_e2el", "fast"),
+                                               ("median_intvty", 10 ** 400)])
+def test_an_entry_from_a_bad_headline_figure_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], metric: str, value: object) -> None:
+    """Before: only the compared metric was checked; a negative TTFT or a string E2EL went
+    into the entry (or a 70), exit 0. Every figure the entry states is checked: 17."""
+    run = _edited(tmp_path, lambda row: row.__setitem__(metric, value))
+    capsys.readouterr()
+    code = main(["bench", "compare", str(RUNS / "base"), str(run), "--changelog-entry"])
+    got = capsys.readouterr()
+    assert code == 17, got.err
+    assert f".{metric} is" in got.err and not got.out
+
+
+def test_an_entry_with_no_cell_in_common_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "no cell of the same shape on both sides" went into the changelog, exit 0."""
+    run = _edited(tmp_path, lambda row: row.__setitem__("isl", row["isl"] * 2))
+    capsys.readouterr()
+    code = main(["bench", "compare", str(RUNS / "base"), str(run), "--changelog-entry"])
+    got = capsys.readouterr()
+    assert code == 17, got.err
+    assert "nothing compared" in got.err and not got.out
+
+
+def test_an_entry_under_json_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `--json` printed the YAML entry, which no JSON reader takes."""
+    code = main(["bench", "compare", str(RUNS / "base"), str(RUNS / "new"), "--changelog-entry",
+                 "--json"])
+    got = capsys.readouterr()
+    assert code == 2
+    assert json.loads(got.out)["ok"] is False and "--changelog-entry" in got.out
+
+
+def test_a_recipe_key_with_a_trailing_newline_names_no_config_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`$` matched before a final newline: "cpu_tiny_moe\\n" made a key over two lines."""
+    run = shutil.copytree(RUNS / "new", tmp_path / "nl")
+    data = json.loads((run / "aggregate.json").read_text())
+    data["recipe_name"] = "cpu_tiny_moe\n"
+    data.pop("inferencex_config_entry", None)
+    (run / "aggregate.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    code = main(["bench", "compare", str(RUNS / "base"), str(run), "--changelog-entry"])
+    assert code == 2 and not capsys.readouterr().out

@@ -109,5 +109,32 @@ def test_a_duplicated_cell_is_results_invalid_naming_it_and_the_file(tmp_path: P
     pair = (str(run), str(RUNS / "base")) if side == "base" else (str(RUNS / "base"), str(run))
     code, _out, err = cli("bench", "compare", *pair)
     assert code == ResultsInvalid.exit_code, err
-    assert f"cell {twin['cell_id']!r} appears twice" in err
+    assert f"cell {twin['cell_id']!r} repeats the shape and concurrency of rows[0]" in err
     assert str(run / "aggregate.json") in err and "fix:" in err
+
+
+def test_a_duplicated_cell_under_another_cell_id_is_results_invalid(tmp_path: Path) -> None:
+    """Before: a second row of the same shape and concurrency under another cell_id was taken
+    as NEW's cell (the last copy won: wrong figures, exit 0). A cell is what compare matches
+    on, whatever its id."""
+    run = shutil.copytree(RUNS / "base", tmp_path / "dup")
+    data = json.loads((run / "aggregate.json").read_text())
+    twin = {**data["rows"][0], "cell_id": "renamed", "tput_per_gpu": 1.0}
+    data["rows"].append(twin)
+    (run / "aggregate.json").write_text(json.dumps(data))
+    code, out, err = cli("bench", "compare", str(RUNS / "base"), str(run))
+    assert code == ResultsInvalid.exit_code, err
+    assert "cell 'renamed' repeats the shape and concurrency of rows[0]" in err and not out
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("tput_per_gpu", 10 ** 400), ("range_ratio", 10 ** 400), ("isl", [1024]),
+    ("dp_attention", {"a": 1}), ("trace", ["t"])])
+def test_a_huge_or_unhashable_row_value_is_results_invalid(tmp_path: Path, key: str,
+                                                           value: Any) -> None:
+    """Before: an integer of 400 digits reached math.isfinite (OverflowError) and a list in a
+    shape field reached a dict key (TypeError): 70, a traceback. Now 17 naming the key."""
+    run = edited(tmp_path, "odd", lambda row: row.__setitem__(key, value))
+    code, out, err = cli("bench", "compare", str(RUNS / "base"), str(run))
+    assert code == ResultsInvalid.exit_code, err
+    assert f".{key}" in err and "Traceback" not in err and not out

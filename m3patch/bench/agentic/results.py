@@ -13,7 +13,6 @@ that is missing or not finite makes the file invalid (ResultsInvalid, 17).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from m3patch.bench.cells import AgenticCell
 from m3patch.bench.results import CELL_SCHEMA, count, invalid, number, read_json_object
 from m3patch.errors import ResultsInvalid
 from m3patch.recipe.agentic import AGENTIC_CODING
+from m3patch.schema import finite_number
 
 HEADLINE = ("p90_e2e_norm_intvty", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu",
             "p90_ttft", "p50_ttft", "p90_e2el")
@@ -146,6 +146,4 @@ def agentic_row(data: dict[str, Any], provenance_fields: tuple[str, ...]) -> dic
 
 
 def finite_or_none(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    return finite_number(value)

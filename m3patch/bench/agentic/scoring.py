@@ -16,12 +16,12 @@ main 843c6254f), followed here so a number means what it means there:
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from m3patch.bench.results import BURST_FLOOR_MS
+from m3patch.schema import finite_number
 
 STATS = ("mean", "p50", "p75", "p90", "p95")
 PERCENTILES = {"p50": 50, "p75": 75, "p90": 90, "p95": 95}
@@ -65,9 +65,7 @@ def metric(record: dict[str, Any], key: str) -> float | None:
     metrics = record.get("metrics")
     item = metrics.get(key) if isinstance(metrics, dict) else None
     value = item.get("value") if isinstance(item, dict) else item
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+    return finite_number(value)
 
 
 def split_records(records: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
