@@ -35,7 +35,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 
-from m3patch.errors import HostilePatch, LockTimeout, TreeIOError, raise_if_interrupted
+from m3patch.errors import (
+    HostilePatch,
+    LockTimeout,
+    PatchConflict,
+    TreeIOError,
+    raise_if_interrupted,
+)
 from m3patch.fsio import (
     DEFAULT_MODE,
     make_durable,
@@ -373,6 +379,23 @@ def _rollback(root: Path, entries: list[Entry]) -> None:
         journal_path(root).unlink()
 
 
+def _refuse_edited(root: Path, entries: list[Entry]) -> None:
+    """Finishing or undoing a transaction replaces its files; one that holds neither image the
+    journal recorded was changed after the run died (a hand edit), and is never overwritten:
+    PatchConflict (5), the journal and the writer's files kept for the next run."""
+    for entry in entries:
+        target = root / entry.path
+        if not os.path.lexists(target) or _is(target, entry.pre) or _is(target, entry.post):
+            continue
+        msg = (f"{target}: changed after an interrupted transaction (it holds neither the "
+               f"pre-image nor the post-image recorded in {journal_path(root)}); m3patch does "
+               "not overwrite it")
+        raise PatchConflict(msg, hint="keep your edit elsewhere and restore the file "
+                            "(`pip install --force-reinstall --no-deps vllm` restores every "
+                            "file), then rerun the same m3patch command: it finishes or undoes "
+                            "the transaction")
+
+
 def _completable(root: Path, entry: Entry) -> bool:
     """The entry can be finished: its target already holds the post-image, or the writer's
     staged file does; a deletion only while the pre-image is present under the writer's backup
@@ -430,6 +453,7 @@ def _recover(root: Path) -> str | None:
     if not os.path.lexists(path):
         return None
     phase, entries, ledger = read_journal(root)
+    _refuse_edited(root, entries)
     if phase == "commit" and all(_completable(root, e) for e in entries):
         for entry in entries:
             staged = (root / entry.path).parent / entry.stage if entry.stage else None

@@ -208,3 +208,30 @@ def test_the_ledger_written_with_one_row_per_file_is_the_same_document() -> None
         assert json.loads(data) == json.loads(json.dumps(asdict(ledger), indent=2))
         assert data.count(b"\n") == 14 + len(files) + (1 if files else 0)  # a row a line
         assert parse_ledger(data, "ledger.json") == ledger
+
+
+@pytest.mark.parametrize("step", [5, 12])
+def test_a_hand_edit_after_an_interrupted_transaction_is_never_overwritten(
+        step: int, vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    """An apply killed while preparing (step 5: rolled back) or committing (step 12: finished),
+    then vllm/logger.py edited by hand. Before: the next run put the backup (or the staged
+    post-image) over the edit, exit 0. Now 5 naming the file, the edit and the journal kept;
+    once the file is restored the same command finishes or undoes the transaction."""
+    args = ("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    logger = vllm_tree / "vllm" / "logger.py"
+    original = logger.read_bytes()
+    fault = m3patch_cli(*args, env={"M3PATCH_FAULT": f"kill-after:{step}"})
+    assert fault.returncode == -signal.SIGKILL, fault.stderr
+    journal = state_dir(vllm_tree) / "journal.json"
+    assert journal.exists()
+    logger.write_bytes(b"# my own logger\n")
+    refused = m3patch_cli(*args)
+    assert refused.returncode == errors.PatchConflict.exit_code, refused.stderr
+    assert "logger.py: changed after an interrupted transaction" in refused.stderr
+    assert logger.read_bytes() == b"# my own logger\n" and journal.exists()
+    logger.write_bytes(original)
+    rerun = m3patch_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "interrupted transaction" in rerun.stderr and not journal.exists()
+    assert leftovers(vllm_tree) == []
+    assert verify_tree(tree_at(vllm_tree), load_series(test_series)).ok
