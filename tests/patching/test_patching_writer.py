@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from core_helpers import REPO, CliRunner
+from core_helpers import REPO, CliRunner, replace_file
 
 from m3patch import errors
 from m3patch.patching.api import apply_series, revert_series, verify_tree
@@ -224,12 +224,12 @@ def test_a_hand_edit_after_an_interrupted_transaction_is_never_overwritten(
     assert fault.returncode == -signal.SIGKILL, fault.stderr
     journal = state_dir(vllm_tree) / "journal.json"
     assert journal.exists()
-    logger.write_bytes(b"# my own logger\n")
+    replace_file(logger, b"# my own logger\n")  # never through the cache's hard link
     refused = m3patch_cli(*args)
     assert refused.returncode == errors.PatchConflict.exit_code, refused.stderr
     assert "logger.py: changed after an interrupted transaction" in refused.stderr
     assert logger.read_bytes() == b"# my own logger\n" and journal.exists()
-    logger.write_bytes(original)
+    replace_file(logger, original)
     rerun = m3patch_cli(*args)
     assert rerun.returncode == 0, rerun.stderr
     assert "interrupted transaction" in rerun.stderr and not journal.exists()
