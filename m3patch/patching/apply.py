@@ -10,6 +10,7 @@ files as they are and says when a pending transaction would be recovered first.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -218,6 +219,7 @@ def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
                 plans: list[engine.FilePlan], made: Mapping[str, tuple[str, ...]]) -> Ledger:
     planned = {p.path: p for p in plans}
     old = {f.path: f for f in snap.ledger.files} if snap.ledger else {}
+    rebuilt = _added_dirs(tree, snap, set(old))
     view = ledger_view(snap)
     files = []
     for chain in snap.chains:
@@ -228,7 +230,7 @@ def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
             files.append(old[chain.path])
             mode = Mode.OFFSET
         elif snap.statuses[chain.path].stage == len(chain.steps):
-            dirs = old[chain.path].dirs if chain.path in old else ()
+            dirs = old[chain.path].dirs if chain.path in old else rebuilt.get(chain.path, ())
             files.append(LedgerFile(chain.path, chain.hashes[0], chain.hashes[-1], dirs))
     done = {f.path for f in files}
     paths_of: dict[str, set[str]] = {}
@@ -239,6 +241,37 @@ def _ledger_for(snap: Snapshot, tree: VllmTree, mode: Mode, target: Target,
     return new_ledger(series=snap.series.id, mode=mode, vllm_version=target.version,
                       vllm_commit=target.commit, version_note=target.note, patches=patches,
                       files=tuple(files))
+
+
+def _added_dirs(tree: VllmTree, snap: Snapshot, recorded: set[str]) -> dict[str, tuple[str, ...]]:
+    """For a ledger rebuilt over files already added (the ledger lost or corrupt): per added
+    file it no longer records, the folders that hold nothing but what the series adds, which
+    its apply must have created (a wheel has no empty folder), shallowest first; so revert
+    removes them as after a recorded apply."""
+    added = {c.path for c in snap.chains if c.hashes[0] is None and c.hashes[-1] is not None
+             and snap.statuses[c.path].stage == len(c.steps)}
+    if not added - recorded:
+        return {}
+    ours: dict[str, bool] = {}
+
+    def only_added(folder: str) -> bool:
+        if folder not in ours:
+            try:
+                with os.scandir(tree.root / folder) as found:
+                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in found]
+            except OSError:
+                entries = [("", False)]  # unreadable: never claimed
+            ours[folder] = all(f"{folder}/{name}" in added or (is_dir and only_added(
+                f"{folder}/{name}")) for name, is_dir in entries)
+        return ours[folder]
+
+    made: dict[str, tuple[str, ...]] = {}
+    claimed: set[str] = set()
+    for path in sorted(added - recorded):
+        dirs = [d for d in reversed(_folders_below_vllm(path)) if only_added(d)]
+        made[path] = tuple(d for d in dirs if d not in claimed)
+        claimed.update(dirs)
+    return made
 
 
 def _record(led: Ledger) -> tuple[object, ...]:

@@ -230,3 +230,26 @@ def test_an_offset_applied_tree_is_first_class(vllm_tree: Path, pristine_033: Pa
         "applied-offset"
     assert m3patch_cli("revert", *args).returncode == 0
     assert (vllm_tree / modelopt).read_bytes() == drifted
+
+
+@pytest.mark.parametrize("loss", ["deleted", "corrupt"])
+def test_a_rebuilt_ledger_lets_revert_remove_the_folders_apply_made(
+        loss: str, vllm_tree: Path, m3patch_cli: CliRunner) -> None:
+    """The shipped series applied, then its ledger deleted or corrupted: apply rebuilt it with no
+    folders for the added tuned tables, so revert left an empty configs/m3patch/ behind. A
+    folder holding only files the series adds was made by its apply and is recorded again."""
+    args = ("--vllm-root", str(vllm_tree), "--series", str(REPO / "patches" / "vllm-0.33.0"))
+    assert m3patch_cli("apply", *args).returncode == 0
+    configs = vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch"
+    assert configs.is_dir()
+    if loss == "deleted":
+        ledger_path(vllm_tree).unlink()
+    else:
+        ledger_path(vllm_tree).write_text("{not json")
+    rebuilt = m3patch_cli("apply", *args)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "rewritten" in rebuilt.stderr
+    reverted = m3patch_cli("revert", *args)
+    assert reverted.returncode == 0, reverted.stderr
+    assert not configs.exists()
+    assert verify_against_record(vllm_tree) == []
