@@ -183,22 +183,28 @@ def test_a_lock_pin_that_cannot_be_true_is_refused_at_load(
     assert not (vllm_tree / "vllm/.m3patch").exists()
 
 
+def without_tuned_tables(folder: Path, series_id: str, pristine: Path,
+                         m3patch_cli: CliRunner) -> Path:
+    """The shipped series less its tuned-tables patch, as `series_id`, relocked."""
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", folder)
+    manifest = (folder / "series.yaml").read_text()
+    start = manifest.index("  - id: tuned-tables-h200")
+    end = manifest.index("  - id: packed-e8m0-scales")
+    manifest = manifest[:start] + manifest[end:]
+    (folder / "series.yaml").write_text(manifest.replace("id: vllm-0.33.0", f"id: {series_id}", 1))
+    (folder / "0005-tuned-tables-h200.patch").unlink()
+    locked = m3patch_cli("series", "lock", "--series", str(folder), "--tree", str(pristine))
+    assert locked.returncode == 0, locked.stderr
+    return folder
+
+
 def test_one_tree_holds_one_series(vllm_tree: Path, pristine_033: Path, tmp_path: Path,
                                    m3patch_cli: CliRunner) -> None:
     """A second series (the shipped one less a patch, relocked with `series lock`) on a tree the
     first one patched is refused (exit 5) naming both and the switch; revert of the first
     removes every folder it created; then the second applies."""
     first = REPO / "patches" / "vllm-0.33.0"
-    second = tmp_path / "second"
-    shutil.copytree(first, second)
-    manifest = (second / "series.yaml").read_text()
-    start = manifest.index("  - id: tuned-tables-h200")
-    end = manifest.index("  - id: packed-e8m0-scales")
-    manifest = manifest[:start] + manifest[end:]
-    (second / "series.yaml").write_text(manifest.replace("id: vllm-0.33.0", "id: second", 1))
-    (second / "0005-tuned-tables-h200.patch").unlink()
-    locked = m3patch_cli("series", "lock", "--series", str(second), "--tree", str(pristine_033))
-    assert locked.returncode == 0, locked.stderr
+    second = without_tuned_tables(tmp_path / "second", "second", pristine_033, m3patch_cli)
     root = ("--vllm-root", str(vllm_tree))
     assert m3patch_cli("apply", *root, "--series", str(first)).returncode == 0
     configs = vllm_tree / "vllm/model_executor/layers/fused_moe/configs/m3patch"
@@ -224,15 +230,8 @@ def test_a_series_relocked_under_its_id_without_a_patch_is_another_series(
     patched. The ledger's files that the lock does not pin mark another series: 5 from apply,
     revert and status, 8 from verify, naming a file and the way back; nothing written."""
     first = REPO / "patches" / "vllm-0.33.0"
-    second = tmp_path / "vllm-0.33.0"
-    shutil.copytree(first, second)
-    manifest = (second / "series.yaml").read_text()
-    start = manifest.index("  - id: tuned-tables-h200")
-    end = manifest.index("  - id: packed-e8m0-scales")
-    (second / "series.yaml").write_text(manifest[:start] + manifest[end:])
-    (second / "0005-tuned-tables-h200.patch").unlink()
-    locked = m3patch_cli("series", "lock", "--series", str(second), "--tree", str(pristine_033))
-    assert locked.returncode == 0, locked.stderr
+    second = without_tuned_tables(tmp_path / "vllm-0.33.0", "vllm-0.33.0", pristine_033,
+                                  m3patch_cli)
     root = ("--vllm-root", str(vllm_tree))
     assert m3patch_cli("apply", *root, "--series", str(first)).returncode == 0
     ledger = (vllm_tree / "vllm/.m3patch/ledger.json").read_bytes()
