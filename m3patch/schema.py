@@ -149,6 +149,18 @@ def expect_mapping(value: object, what: str = "a mapping") -> dict[str, Any]:
     return value
 
 
+def expect_str_keys(value: object, what: str = "a mapping") -> dict[str, Any]:
+    """A mapping whose every key is a string: YAML reads `1:`, `true:` and `null:` as an int, a
+    bool and None, which a name, a flag or an env variable cannot be."""
+    data = expect_mapping(value, what)
+    for key in data:
+        if not isinstance(key, str):  # what the annotation says is not what YAML gives
+            shown = f"{short_repr(key)} ({type_name(key)})"  # type: ignore[unreachable]
+            msg = f"keys must be strings, got {shown}; quote it"
+            raise SchemaError(msg)
+    return data
+
+
 def expect_list(value: object, *, non_empty: bool = False) -> list[Any]:
     if not isinstance(value, list):
         msg = f"expected a list, got {type_name(value)}"

@@ -22,6 +22,7 @@ from m3patch.schema import (
     expect_list,
     expect_mapping,
     expect_str,
+    expect_str_keys,
 )
 
 
@@ -76,12 +77,12 @@ def markers(data: dict[str, Any], *, source: str) -> MarkerGates:
             specs += _marker_list(data.get(kind, []), kind, source)
     counts = []
     with at_key("counts"):
-        for marker_id, value in expect_mapping(data.get("counts", {})).items():
+        for marker_id, value in expect_str_keys(data.get("counts", {})).items():
             with at_key(marker_id):
                 counts.append((marker_id, expect_int(value, minimum=1)))
     waivers = []
     with at_key("waive"):
-        for marker_id, reason in expect_mapping(data.get("waive", {})).items():
+        for marker_id, reason in expect_str_keys(data.get("waive", {})).items():
             with at_key(marker_id):
                 waivers.append((marker_id, expect_str(reason)))
     return MarkerGates(tuple(specs), tuple(counts), tuple(waivers))

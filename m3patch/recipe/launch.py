@@ -11,12 +11,21 @@ a recipe that does not do what it says. Options m3patch sets from other sections
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from m3patch.schema import SchemaError, at_key, check_keys, expect_bool, expect_int, expect_str
+from m3patch.schema import (
+    SchemaError,
+    at_key,
+    check_keys,
+    expect_bool,
+    expect_int,
+    expect_str,
+    expect_str_keys,
+)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -72,7 +81,7 @@ def parallelism(data: dict[str, Any]) -> Parallelism:
 
 def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     out = []
-    for name, value in data.items():
+    for name, value in expect_str_keys(data).items():
         with at_key(name):
             if not _ENV_NAME.match(name):
                 msg = f"{name!r} is not an environment variable name"
@@ -80,6 +89,8 @@ def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 msg = f"expected a string or number (quote booleans: \"1\"/\"0\"), got {value!r}"
                 raise SchemaError(msg)
+            if isinstance(value, float):
+                _finite(value)
             out.append((name, str(value)))
     return tuple(out)
 
@@ -97,7 +108,24 @@ def _scalar(value: object) -> str:
     if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
         msg = f"expected a string or number, got {type(value).__name__}"
         raise SchemaError(msg)
+    if isinstance(value, float):
+        _finite(value)
     return str(value)
+
+
+def _finite(value: float) -> None:
+    # argparse's float() takes "nan" and "inf", and a NaN passes every bound it meets
+    if not math.isfinite(value):
+        msg = f"expected a finite number, got {value}"
+        raise SchemaError(msg)
+
+
+def _json(value: dict[str, Any]) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), sort_keys=False, allow_nan=False)
+    except ValueError:  # allow_nan=False: JSON has no NaN or infinity (json.dumps writes `NaN`)
+        msg = "expected finite numbers (JSON has no NaN or infinity)"
+        raise SchemaError(msg) from None
 
 
 def _one_flag(key: str, value: Any) -> list[str]:
@@ -109,7 +137,7 @@ def _one_flag(key: str, value: Any) -> list[str]:
         # refuses a `false` it would not parse), not a hand-kept list's.
         return [f"--no-{key}"]
     if isinstance(value, dict):
-        return [flag, json.dumps(value, separators=(",", ":"), sort_keys=False)]
+        return [flag, _json(value)]
     if isinstance(value, list):
         if not value:
             msg = "an empty list would be dropped silently by vLLM; remove the key"
@@ -128,7 +156,7 @@ def _one_flag(key: str, value: Any) -> list[str]:
 def flatten_vllm_args(args: Mapping[str, Any]) -> tuple[str, ...]:
     """`{'max-model-len': 512, 'enforce-eager': True}` -> `('--max-model-len', '512', '--enforce-eager')`."""
     argv: list[str] = []
-    for raw_key, value in args.items():
+    for raw_key, value in expect_str_keys(args).items():
         with at_key(raw_key):
             key = raw_key.replace("_", "-")
             if raw_key.startswith("-") or not key:

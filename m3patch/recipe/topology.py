@@ -61,6 +61,8 @@ ROUTER_CONNECTORS = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl",
 OWNED_ARGS = ("data-parallel-size", "data-parallel-size-local", "data-parallel-address",
               "data-parallel-rpc-port", "data-parallel-start-rank", "headless", "port", "host",
               "enable-scale-out")
+# A node is a host of the set: a count past this is a typo (10**9 built that many node ids).
+MAX_NODES = 1024
 DEFAULT_RPC_PORT = 13345
 DEFAULT_ADDRESS = "${M3PATCH_HEAD_ADDR}"  # no default: a set never falls back to loopback
 NETWORK_KEYS = ("interface", "address", "env")
@@ -242,6 +244,9 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         kind = cast("RoleKind", expect_choice(data["kind"], ROLE_KINDS))  # one of ROLE_KINDS
     with at_key("nodes"):
         nodes = expect_int(data.get("nodes", 1), minimum=1)
+        if nodes > MAX_NODES:
+            msg = f"a set runs at most {MAX_NODES} nodes, got nodes: {nodes}"
+            raise SchemaError(msg)
     with at_key("local-dp"):
         local_dp = expect_int(data.get("local-dp", 1), minimum=1)
     with at_key("port"):
@@ -336,6 +341,11 @@ def _check_shape(roles: tuple[Role, ...]) -> None:
             if role.kind in ("prefill", "decode") and role.port is None:
                 msg = f"role {role.name} ({role.kind}) needs its own port (the proxy uses server.port)"
                 raise SchemaError(msg)
+    total = sum(r.nodes for r in roles)
+    if total > MAX_NODES:
+        with at_key("roles"):
+            msg = f"a set runs at most {MAX_NODES} nodes, its roles' nodes add up to {total}"
+            raise SchemaError(msg)
     ports = [r.port for r in roles if r.port is not None]
     if len(ports) != len(set(ports)):
         msg = f"two roles share a port: {sorted(ports)}"
