@@ -178,6 +178,17 @@ def kv_probe_prompt(recipe: Recipe, attempt: int) -> str:
     return f"{attempt} {words}"[:chars]
 
 
+def role_recipes(recipe: Recipe) -> tuple[Recipe, ...]:
+    """The launch of each role that runs vLLM, as the launch check takes it: the recipe with the
+    role's vllm-args after its own and the role's env over its own (every rank of a role has
+    them; the flags m3patch adds from the topology are not the recipe's to get wrong)."""
+    topo = require_topology(recipe)
+    return tuple(replace(recipe, vllm_args=(*recipe.vllm_args, *role.vllm_args),
+                         env=tuple({**dict(recipe.env), **dict(role.env)}.items()),
+                         launch_role=role.name)
+                 for role in topo.roles if role.runs_vllm)
+
+
 def plan_set(recipe: Recipe, python: str, run_dir: Path) -> tuple[NodePlan, ...]:
     """Every node of the set, in launch order (the head or proxy last)."""
     topo = require_topology(recipe)

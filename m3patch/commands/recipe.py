@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from m3patch.bench.cells import AgenticCell, Cell
 from m3patch.bench.spec import recipe_cells
 from m3patch.cluster.network import IFNAME_VARS
-from m3patch.cluster.node_plan import plan_set
+from m3patch.cluster.node_plan import plan_set, role_recipes
 from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
@@ -57,8 +57,8 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
             # The launch check `serve --dry-run` and every preflight make, on every server form
             # the sweep starts, from the series' shipped spec (read-only: nothing is spawned).
             python = recipe.target.python or sys.executable
-            for group in server_groups(recipe, recipe_cells(recipe)):
-                check_launch(group.recipe, python, spawn=False)
+            for form in launch_forms(recipe):
+                check_launch(form, python, spawn=False)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
@@ -75,6 +75,15 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
         info(f"markers not linted for {count} recipe(s): no cached pristine vLLM {versions} tree "
              f"(`m3patch markers lint --recipe {example}` fetches it; --no-lint-markers skips this)")
     return 0 if first_error is None else first_error.exit_code
+
+
+def launch_forms(recipe: Recipe) -> list[Recipe]:
+    """Every launch the sweep makes: one per server group and, for a multi-node set, each
+    group's launch on every role that runs vLLM (its vllm-args and env added)."""
+    groups = [group.recipe for group in server_groups(recipe, recipe_cells(recipe))]
+    if recipe.topology is None:
+        return groups
+    return [form for group in groups for form in (group, *role_recipes(group))]
 
 
 def _lint_markers(recipe: Recipe) -> bool:
@@ -100,10 +109,11 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
     interpreter = python or recipe.target.python or sys.executable
     log = recipe.results_dir / "<run>" / "server.log"
     plan = plan_launch(recipe, interpreter, port or recipe.port, log, None)
-    # Every server form the sweep starts (one per server group) goes through vLLM's parser.
+    # Every server form the sweep starts (one per server group, on every role of a set) goes
+    # through vLLM's parser.
     checked = None
-    for group in server_groups(recipe, recipe_cells(recipe)) if check else ():
-        checked = check_launch(group.recipe, interpreter, plan.spec.env, other_vllm=other_vllm,
+    for form in launch_forms(recipe) if check else ():
+        checked = check_launch(form, interpreter, plan.spec.env, other_vllm=other_vllm,
                                located=checked.tree if checked is not None else None)
     if not check:
         _warn_other_vllm(recipe, interpreter)

@@ -62,6 +62,9 @@ class Recipe:
     eval: EvalSpec | None = None  # the accuracy gate (recipe/evals.py); None: no eval step
     vllm_args_raw: tuple[tuple[str, Any], ...] = ()  # as written: regions merge over it
     inferencex: Identity | None = None  # InferenceX's result identity (recipe/inferencex.py)
+    # A topology node's launch (cluster.node_plan.role_recipes): the role whose vllm-args and env
+    # follow the recipe's own, so the launch check names the role's keys by the role
+    launch_role: str | None = None
 
     def serve_args(self) -> tuple[str, ...]:
         """Arguments after `vllm serve` (the model first, as the CLI wants it)."""

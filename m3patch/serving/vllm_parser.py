@@ -49,6 +49,7 @@ from m3patch.patching.pristine import cache_root, cached_file
 from m3patch.patching.series import Series, load_series
 from m3patch.patching.series_lock import relock_hint
 from m3patch.recipe.loader import Recipe
+from m3patch.recipe.topology import Role
 from m3patch.schema import closest, suggest
 from m3patch.serving.cli_spec import (
     CliSpec,
@@ -99,10 +100,24 @@ class LaunchCheck:
 
 # ---- pure ----------------------------------------------------------------------------------
 
+def _launch_role(recipe: Recipe) -> Role | None:
+    """The topology role a node's launch adds its vllm-args and env from (None: one server)."""
+    if recipe.launch_role is None or recipe.topology is None:
+        return None
+    return recipe.topology.role(recipe.launch_role)
+
+
+def _role_key(role: Role | None) -> str:
+    return "" if role is None else f"topology.roles.{role.name}."
+
+
 def argv_sources(recipe: Recipe) -> tuple[ArgSource, ...]:
-    """The argv after `vllm serve`, split per option, each with the recipe key it came from."""
+    """The argv after `vllm serve`, split per option, each with the recipe key it came from
+    (a topology node's last options are its role's)."""
     args = recipe.serve_args()
     first_vllm_arg = len(args) - len(recipe.vllm_args)
+    role = _launch_role(recipe)
+    first_role_arg = len(args) - (0 if role is None else len(role.vllm_args))
     out = [ArgSource("model.source", None, (args[0],))]
     index = 1
     while index < len(args):
@@ -111,7 +126,9 @@ def argv_sources(recipe: Recipe) -> tuple[ArgSource, ...]:
         while end < len(args) and not _OPTION.fullmatch(args[end]):
             end += 1
         name = option.split("=", 1)[0]
-        key = (f"vllm-args.{name[2:].removeprefix('no-') if name.startswith('--no-') else name[2:]}"
+        prefix = _role_key(role) if index >= first_role_arg else ""
+        key = (f"{prefix}vllm-args."
+               f"{name[2:].removeprefix('no-') if name.startswith('--no-') else name[2:]}"
                if index >= first_vllm_arg else OWN_OPTIONS.get(name, name))
         out.append(ArgSource(key, option, tuple(args[index + 1:end])))
         index = end
@@ -475,9 +492,12 @@ def _refuse(recipe: Recipe, findings: list[str], shell: Sequence[tuple[str, str]
     keys, or the shell variables the server would inherit (the recipe never held those)."""
     if not findings and not shell:
         return
+    role = _launch_role(recipe)
+    findings = _role_env_keys(role, findings)
     lines = "\n".join(f"  - {f}" for f in [*findings, *(line for _, line in shell)])
     what = "as written" if findings else "from this shell (its environment)"
-    msg = f"{recipe.path}: vLLM would not run this launch {what}:\n{lines}"
+    node = "" if role is None else f" on the nodes of role {role.name}"
+    msg = f"{recipe.path}: vLLM would not run this launch{node} {what}:\n{lines}"
     fixes = [f"fix those keys in {recipe.path}"] if findings else []
     if shell:
         names = sorted({name for name, _ in shell})
@@ -485,6 +505,16 @@ def _refuse(recipe: Recipe, findings: list[str], shell: Sequence[tuple[str, str]
                      f"(`unset {' '.join(names)}`)")
     raise LaunchRejected(msg, hint=f"{'; '.join(fixes)}; re-check with "
                                    f"`m3patch serve {recipe.path} --dry-run`")
+
+
+def _role_env_keys(role: Role | None, findings: list[str]) -> list[str]:
+    """A finding on an env name the role sets (`env.NAME: ...`) names the role's key: the
+    role's value is the one its nodes get."""
+    if role is None:
+        return findings
+    names = {name for name, _ in role.env}
+    return [f"{_role_key(role)}{f}" if f.startswith("env.") and f[4:].split(":", 1)[0] in names
+            else f for f in findings]
 
 
 def _static_findings(recipe: Recipe, spec: CliSpec | None) -> tuple[list[str], str]:
