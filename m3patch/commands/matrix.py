@@ -13,10 +13,13 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from m3patch.bench.matrix import EvalJobs, build_matrix
 from m3patch.bench.spec import matrix_recipe
+from m3patch.commands.recipe import check_static
 from m3patch.errors import FileNameEncoding
+from m3patch.output import info
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 
@@ -54,12 +57,32 @@ def require_utf8_name(text: str) -> str:
     return text
 
 
-def run(args: argparse.Namespace) -> int:
-    for text in args.recipes:
+def distinct_recipes(texts: list[str]) -> list[tuple[str, Path]]:
+    """Each recipe file once, as first named: `x`, `recipes/x.yaml` and its absolute path are
+    one recipe, whose jobs a matrix lists once (twice, CI would run every one twice)."""
+    seen: dict[Path, list[str]] = {}
+    for text in texts:
         require_utf8_name(text)
-    # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only` selects
-    # from, and names the recipe in a sweep error.
-    recipes = [matrix_recipe(load_recipe(recipe_path(text)), text) for text in args.recipes]
+        # realpath, not resolve(): a link loop is the loader's to refuse, never a crash here
+        seen.setdefault(Path(os.path.realpath(recipe_path(text))), []).append(text)
+    for names in seen.values():
+        if len(names) > 1:
+            info(f"matrix: {names[0]} given {len(names)} times ({', '.join(names)}); its jobs "
+                 "are listed once")
+    return [(names[0], path) for path, names in seen.items()]
+
+
+def run(args: argparse.Namespace) -> int:
+    recipes = []
+    for text, path in distinct_recipes(args.recipes):
+        recipe = load_recipe(path)
+        # No job for a recipe `recipe validate` refuses: the matrix job would fail on its
+        # runner (its launch check is the same), after the whole set was scheduled. The plan
+        # job's shell is not the runners': its M3PATCH_* variables are not judged.
+        check_static(recipe, env={})
+        # matrix_recipe takes the cells from spec.recipe_cells, the function `bench --only`
+        # selects from, and names the recipe in a sweep error.
+        recipes.append(matrix_recipe(recipe, text))
     matrix = build_matrix(recipes, per=args.per, evals=args.evals)
     sys.stdout.write(json.dumps(matrix, indent=args.indent) + "\n")
     return 0

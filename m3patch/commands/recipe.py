@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +54,7 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
             all_markers(recipe, None)
             if lint_markers and not _lint_markers(recipe):
                 unlinted.setdefault(recipe.target.vllm_version, []).append(path)
-            # The launch check `serve --dry-run` and every preflight make, on every server form
-            # the sweep starts, from the series' shipped spec (read-only: nothing is spawned).
-            python = recipe.target.python or sys.executable
-            for form in launch_forms(recipe):
-                check_launch(form, python, spawn=False)
+            check_launches(recipe)
         except M3PatchError as exc:
             print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
             first_error = first_error or exc
@@ -75,6 +71,21 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
         info(f"markers not linted for {count} recipe(s): no cached pristine vLLM {versions} tree "
              f"(`m3patch markers lint --recipe {example}` fetches it; --no-lint-markers skips this)")
     return 0 if first_error is None else first_error.exit_code
+
+
+def check_static(recipe: Recipe, env: Mapping[str, str] | None = None) -> None:
+    """What `recipe validate` checks with no server, GPU or vLLM tree (the marker lint reads a
+    tree): the series' markers merge with the recipe's, and every launch passes."""
+    all_markers(recipe, None)
+    check_launches(recipe, env)
+
+
+def check_launches(recipe: Recipe, env: Mapping[str, str] | None = None) -> None:
+    """The launch check `serve --dry-run` and every preflight make, on every server form the
+    sweep starts, from the series' shipped spec (read-only: nothing is spawned)."""
+    python = recipe.target.python or sys.executable
+    for form in launch_forms(recipe):
+        check_launch(form, python, env, spawn=False)
 
 
 def launch_forms(recipe: Recipe) -> list[Recipe]:
