@@ -20,7 +20,13 @@ from m3patch.bench import compare as cmp
 from m3patch.bench.aggregate import AGGREGATE_JSON, load_aggregate
 from m3patch.bench.changelog_entry import HEADLINE_METRICS, changelog_entry
 from m3patch.bench.plots import PlotRun, draw, have_matplotlib, run_title
-from m3patch.commands.flags import add_json_flags, add_python_flag, json_file, json_stdout
+from m3patch.commands.flags import (
+    add_json_flags,
+    add_python_flag,
+    json_file,
+    json_stdout,
+    port_number,
+)
 from m3patch.errors import (
     Interrupted,
     ResultsInvalid,
@@ -58,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run only this cell (repeatable; ids as in `m3patch matrix`)")
     add_python_flag(sweep, what="interpreter whose vLLM serves (default: the recipe's "
                                 "target.python, else this one)")
-    sweep.add_argument("--port", type=int, help="server port (default: the recipe's)")
+    sweep.add_argument("--port", type=port_number, help="server port (default: the recipe's)")
     sweep.add_argument("--url", metavar="BASE_URL",
                        help="sweep a server that is already running; m3patch neither starts nor "
                             "gates it, and provenance says so")

@@ -46,3 +46,16 @@ def add_python_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
                     aliases: tuple[str, ...] = ()) -> None:
     """`--python PATH`: the interpreter `what` runs in (aliases: older spellings kept)."""
     parser.add_argument("--python", *aliases, metavar="PATH", dest="python", help=what)
+
+
+def port_number(text: str) -> int:
+    """argparse type of a --port: a TCP port, so a typo is refused before a launch is shown or
+    started on a port nothing can bind (99999, 0, -5)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        msg = f"{text} is not a TCP port (1-65535)"
+        raise argparse.ArgumentTypeError(msg)
+    return port

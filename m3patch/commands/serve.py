@@ -24,7 +24,7 @@ from m3patch.cluster.local_launcher import run_set
 from m3patch.cluster.node import NodeRun
 from m3patch.cluster.node_plan import require_node, require_topology
 from m3patch.cluster.slurm import sbatch_script
-from m3patch.commands.flags import add_python_flag
+from m3patch.commands.flags import add_python_flag, port_number
 from m3patch.commands.recipe import show_plan
 from m3patch.errors import Interrupted, UsageError, interrupt, raise_if_interrupted
 from m3patch.fsio import write_output
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --dry-run: check with --python's vLLM parser even when it is "
                              "not the version the recipe's series targets (else exit 4), and "
                              "against the series' shipped spec too")
-    parser.add_argument("--port", type=int, help="override server.port")
+    parser.add_argument("--port", type=port_number, help="override server.port")
     parser.add_argument("--run-dir", type=Path,
                         help="folder for server.log and serve.json (default: RESULTS/serve-TIME)")
     parser.add_argument("--stop-after-ready", action="store_true",

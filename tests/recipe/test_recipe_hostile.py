@@ -91,3 +91,11 @@ def test_a_nan_or_infinite_launch_value_is_a_schema_error(tmp_path: Path, sectio
         load_recipe(write(tmp_path, text))
     assert f"At key: {section}\n==> At key: {key}" in str(info.value)
     assert "finite" in str(info.value)
+
+
+@pytest.mark.parametrize("port", ["99999", "-5", "0", "x"])
+def test_a_port_outside_1_65535_is_a_usage_error(m3patch_cli: Cli, port: str) -> None:
+    """serve --dry-run printed a launch on port 99999 and exited 0 (bench takes the same type)."""
+    result = m3patch_cli("serve", "cpu_tiny_moe", "--dry-run", f"--port={port}")
+    assert result.returncode == 2, result.stderr
+    assert f"argument --port: {port} is not a TCP port (1-65535)" in result.stderr
