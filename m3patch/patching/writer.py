@@ -380,12 +380,19 @@ def _rollback(root: Path, entries: list[Entry]) -> None:
 
 
 def _refuse_edited(root: Path, entries: list[Entry]) -> None:
-    """Finishing or undoing a transaction replaces its files; one that holds neither image the
-    journal recorded was changed after the run died (a hand edit), and is never overwritten:
-    PatchConflict (5), the journal and the writer's files kept for the next run."""
+    """Finishing or undoing a transaction puts the writer's backup (pre-image) or staged file
+    (post-image) over its target; a target that holds neither image the journal recorded was
+    changed after the run died (a hand edit), and is never overwritten: PatchConflict (5), the
+    journal and the writer's files kept for the next run. A target no writer's file would
+    replace is left as it is (as a lying journal's entry is)."""
     for entry in entries:
         target = root / entry.path
         if not os.path.lexists(target) or _is(target, entry.pre) or _is(target, entry.post):
+            continue
+        backup = target.parent / entry.backup if entry.backup else None
+        staged = target.parent / entry.stage if entry.stage else None
+        if not ((backup is not None and _is(backup, entry.pre))
+                or (staged is not None and _is(staged, entry.post))):
             continue
         msg = (f"{target}: changed after an interrupted transaction (it holds neither the "
                f"pre-image nor the post-image recorded in {journal_path(root)}); m3patch does "
