@@ -6,12 +6,12 @@ run on real git output in tests while this module never touches git itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from m3patch.changelog.entries import ChangelogEntry, parse_entries, parse_yaml
 from m3patch.changelog.findings import Finding, errors_of, ok
 from m3patch.changelog.refs import Catalog, reference_findings, selected_recipes
-from m3patch.changelog.rules import Change, classify, pr_link_findings
+from m3patch.changelog.rules import Change, classify, pr_link_findings, repaired_links
 from m3patch.changelog.text import (
     character_findings,
     decode,
@@ -75,10 +75,14 @@ def check(inp: CheckInput, catalog: Catalog) -> CheckReport:
     entries, schema_findings = parse_entries(data, starts)
     findings += schema_findings
     new = [e for e in entries if e.line > change.after_line]
+    repaired, repair_findings = _repaired(inp, change, data, starts)
+    if repair_findings:
+        findings += repair_findings
+        change = replace(change, kind="rejected")
     if change.kind != "rejected":
         for entry in new:
             findings += reference_findings(entry, catalog)
-        findings += pr_link_findings(lines, change, [e.line for e in new], inp.repo, inp.pr)
+        findings += pr_link_findings(lines, new, repaired, inp.repo, inp.pr)
     if not errors_of(findings):
         findings.append(ok("summary", _summary(change, len(new), inp.base_label)))
     selected = selected_recipes([key for e in new for key in e.config_keys], catalog)
@@ -92,6 +96,15 @@ def _change(inp: CheckInput, text: str) -> Change:
     # surrogateescape keeps a non-UTF-8 base byte-faithful, so the str prefix test is a byte test
     base = None if inp.base is None else inp.base.decode("utf-8", errors="surrogateescape")
     return classify(base, text, base_label=inp.base_label)
+
+
+def _repaired(inp: CheckInput, change: Change, head_data: object,
+              starts: list[int]) -> tuple[dict[int, tuple[str, str]], list[Finding]]:
+    if change.kind != "repair" or inp.base is None:
+        return {}, []
+    # a repair changes pr-link lines only, so the base's entries start on the same lines
+    base_data, _ = parse_yaml(inp.base.decode("utf-8", errors="replace"))
+    return repaired_links(change, base_data, head_data, starts, inp.base_label)
 
 
 def _summary(change: Change, new: int, base_label: str) -> str:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import difflib
 import re
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+from m3patch.changelog.entries import ChangelogEntry
 from m3patch.changelog.findings import Finding, error
 from m3patch.changelog.text import entry_starts, split_lines
 
@@ -31,7 +34,6 @@ class Change:
     after_line: int
     findings: tuple[Finding, ...] = ()
     repaired_lines: tuple[int, ...] = ()
-    base_values: Mapping[int, str] = field(default_factory=dict)  # repaired line -> base link
 
 
 def classify(base: str | None, head: str, *, base_label: str) -> Change:
@@ -47,8 +49,8 @@ def classify(base: str | None, head: str, *, base_label: str) -> Change:
     diffs = [i for i, (b, h) in enumerate(pairs) if b != h]
     if diffs and all(_is_pr_link(base_lines[i]) and _is_pr_link(head_lines[i]) for i in diffs):
         if len(head_lines) == len(base_lines):
-            olds = {i + 1: base_lines[i].split(":", 1)[1].strip() for i in diffs}
-            return Change("repair", len(base_lines), repaired_lines=tuple(olds), base_values=olds)
+            repaired = tuple(i + 1 for i in diffs)
+            return Change("repair", len(base_lines), repaired_lines=repaired)
         if len(head_lines) > len(base_lines):
             return Change("rejected", len(base_lines), (_mixed(diffs[0], len(base_lines)),))
     return Change("rejected", len(base_lines), (_violation(base_lines, head_lines, base_label),))
@@ -164,24 +166,55 @@ def _reorder(base_lines: list[str], head_lines: list[str]) -> tuple[int, str] | 
     return None
 
 
+def repaired_links(
+    change: Change, base_data: Any, head_data: Any, starts: list[int], base_label: str,
+) -> tuple[dict[int, tuple[str, str]], list[Finding]]:
+    """Each repaired line's (base, head) pr-link as YAML reads them (quotes and comments are no
+    part of a link). The lines only look like `pr-link:` lines: a repair is accepted only where
+    the parsed entries differ in nothing but their pr-link (a look-alike line inside a
+    multi-line description is an edit of that description)."""
+    if not (isinstance(base_data, list) and isinstance(head_data, list)
+            and len(base_data) == len(head_data) == len(starts)):
+        return {}, []  # parse_entries reports the head; a base that does not parse is no repair
+    values = {}
+    for line in change.repaired_lines:
+        index = bisect_right(starts, line) - 1
+        old, new = base_data[index], head_data[index]
+        if _without_link(old) != _without_link(new):
+            msg = (f"line {line} edited: it is not the pr-link of the entry at line"
+                   f" {starts[index]} but part of another key; existing entries are immutable")
+            return {}, [error("append-only", msg, line, _FIX_IMMUTABLE.replace("BASE", base_label))]
+        values[line] = (_link_text(old), _link_text(new))
+    return values, []
+
+
+def _without_link(entry: object) -> object:
+    return {k: v for k, v in entry.items() if k != "pr-link"} if isinstance(entry, dict) else entry
+
+
+def _link_text(entry: object) -> str:
+    value = entry.get("pr-link") if isinstance(entry, dict) else None
+    return value.strip() if isinstance(value, str) else ""
+
+
 def pr_link_findings(
-    head_lines: list[str], change: Change, new_starts: list[int], repo: str, pr: int | None,
+    head_lines: list[str], new: list[ChangelogEntry], repaired: Mapping[int, tuple[str, str]],
+    repo: str, pr: int | None,
 ) -> list[Finding]:
-    """New entries link their own PR (or XXX); repaired links must be canonical PR URLs."""
+    """New entries link their own PR (or XXX); repaired links must be canonical PR URLs. Values
+    are the parsed ones; the raw lines only locate them."""
     canonical = re.compile(rf"https://github\.com/{re.escape(repo)}/pull/(\d+)")
     findings: list[Finding] = []
-    for start in new_starts:
-        line = _key_line(head_lines, start, "pr-link")
-        value = head_lines[line - 1].split(":", 1)[1].strip()
+    for entry in new:
+        value, line = entry.pr_link, _key_line(head_lines, entry.line, "pr-link")
         match = canonical.fullmatch(value)
         if value == PLACEHOLDER or (match and (pr is None or int(match.group(1)) == pr)):
             continue
         want = f"https://github.com/{repo}/pull/{pr if pr is not None else 'N'}"
-        msg = f"the new entry at line {start} has pr-link {value!r}; expected {want} or {PLACEHOLDER}"
+        msg = (f"the new entry at line {entry.line} has pr-link {value!r}; expected {want} or"
+               f" {PLACEHOLDER}")
         findings.append(error("pr-link", msg, line, f"set '  pr-link: {want}'"))
-    for line in change.repaired_lines:
-        value = head_lines[line - 1].split(":", 1)[1].strip()
-        before = change.base_values.get(line, "")
+    for line, (before, value) in repaired.items():
         if canonical.fullmatch(before):
             msg = f"pr-link {before!r} was already a PR URL; only malformed links may be repaired"
             findings.append(error("pr-link-repair", msg, line, "restore the base's pr-link line"))

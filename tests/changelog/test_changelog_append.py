@@ -184,3 +184,70 @@ def test_unknown_ref_is_a_usage_error(repo: GitRepo, capsys: pytest.CaptureFixtu
     code, out = repo.check(capsys, "--base", "no-such-branch")
     assert code == 2
     assert "unknown git ref 'no-such-branch'" in out
+
+
+@pytest.mark.parametrize("spelling", ['"XXX"', "'XXX'", "XXX # filled in once the PR exists",
+                                      f'"{link(9)}"', f"{link(9)}  # this PR"])
+def test_pr_link_is_judged_by_its_parsed_value(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    repo.write(entry(pr=link(1)))
+    base = repo.commit()
+    repo.write(entry(pr=link(1)) + "\n" + entry(pr=spelling))
+    code, out = repo.check(capsys, "--base", base, "--pr", "9")
+    assert code == 0, out
+
+
+def test_pr_link_continued_on_the_next_line_rejected(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a plain scalar folds its continuation in: the value is not the first line's URL
+    repo.write(entry(pr=f"{link(9)}\n    and-more"))
+    code, out = repo.check(capsys, "--pr", "9")
+    assert code == INVALID
+    assert f"{FILE}:5: the new entry at line 1 has pr-link '{link(9)} and-more'" in out
+
+
+def test_pr_link_lookalike_inside_a_string_is_not_the_pr_link(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = f'"a\n  pr-link: {link(9)}\n      b"'
+    repo.write(entry(desc="x", pr="TBD").replace('"x"', fake))
+    code, out = repo.check(capsys, "--pr", "9")
+    assert code == INVALID
+    assert "has pr-link 'TBD'" in out
+
+
+def test_pr_link_repair_of_a_quoted_valid_link_rejected(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo.write(entry(pr=f'"{link(1)}"'))
+    base = repo.commit()
+    repo.write(entry(pr=link(2)))
+    code, out = repo.check(capsys, "--base", base)
+    assert code == INVALID
+    assert f"{FILE}:5: pr-link '{link(1)}' was already a PR URL" in out
+
+
+def test_pr_link_repair_to_a_quoted_pr_url_accepted(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo.write(entry(pr="XXX"))
+    base = repo.commit()
+    repo.write(entry(pr=f'"{link(4)}"  # repaired'))
+    code, out = repo.check(capsys, "--base", base)
+    assert code == 0, out
+
+
+def test_edit_of_a_pr_link_lookalike_inside_a_string_rejected(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the edited line starts like a pr-link, but it is a line of the description
+    def changelog(inner: str) -> str:
+        return entry(desc="x", pr="XXX").replace('"x"', f'"a\n  pr-link: {inner}\n      b"')
+    repo.write(changelog("one"))
+    base = repo.commit()
+    repo.write(changelog(link(3)))
+    code, out = repo.check(capsys, "--base", base)
+    assert code == INVALID
+    assert f"{FILE}:5: line 5 edited: it is not the pr-link of the entry at line 1" in out
