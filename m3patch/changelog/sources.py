@@ -21,8 +21,9 @@ from m3patch.changelog.refs import (
     is_recipe_path,
 )
 from m3patch.errors import M3PatchError, UsageError
+from m3patch.fsio import read_state
 from m3patch.shipped import Kind, shipped_dir
-from m3patch.yamlio import load_yaml_text
+from m3patch.yamlio import YAML_MAX_BYTES, load_yaml_text
 
 # Used when neither --repo, $GITHUB_REPOSITORY nor a github.com `upstream` / `origin` remote
 # names the repo.
@@ -65,13 +66,13 @@ class WorkTreeReader:
         return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
 
     def read(self, relpath: str) -> bytes | None:
-        try:
-            return (self.root / relpath).read_bytes()
+        try:  # a regular file only: a FIFO in a recipe's or master config's place would block
+            return read_state(self.root / relpath, YAML_MAX_BYTES, links=True)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            msg = f"{self.root / relpath}: cannot read: {exc}"
-            raise UsageError(msg) from None
+            msg = f"{self.root / relpath}: cannot read: {exc.strerror or exc}"
+            raise UsageError(msg, hint=f"make {relpath} a regular file, or remove it") from None
 
 
 class GitRefReader:

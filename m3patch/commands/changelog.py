@@ -31,10 +31,11 @@ from m3patch.changelog.sources import (
 )
 from m3patch.commands.flags import add_json_flags, json_file, json_stdout
 from m3patch.errors import UsageError
-from m3patch.fsio import write_output_json
+from m3patch.fsio import read_state, write_output_json
 from m3patch.output import info
 
 DEFAULT_FILE = "perf-changelog.yaml"
+CHANGELOG_MAX_BYTES = 64 << 20  # years of entries are a few MiB; past this it is no changelog
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,10 +107,11 @@ def _read_head(root: Path | None, rel: str, path: Path, head_ref: str | None) ->
 
     if head_ref is None:
         try:
-            return path.read_bytes()
+            return read_state(path, CHANGELOG_MAX_BYTES, links=True)  # a FIFO would block forever
         except OSError as exc:
-            msg = f"{path}: cannot read the changelog: {exc.strerror}"
-            raise UsageError(msg, hint="pass --file PATH, or create perf-changelog.yaml") from None
+            msg = f"{path}: cannot read the changelog: {exc.strerror or exc}"
+            raise UsageError(msg, hint="pass --file PATH of a regular file, or create "
+                             "perf-changelog.yaml") from None
     data = GitRefReader(_need_git(root), head_ref).read(rel)
     if data is None:
         msg = f"{rel} does not exist at {head_ref}"

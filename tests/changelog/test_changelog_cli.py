@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,27 @@ def test_a_key_may_name_a_recipes_inferencex_config_entry(
     report = tmp_path / "r.json"
     assert repo.check(capsys, "--json-file", str(report))[0] == 0
     assert json.loads(report.read_text())["new_recipes"] == ["recipes/mi300x_tp8.yaml"]
+
+
+def _check_in_subprocess(repo: GitRepo, *args: str) -> subprocess.CompletedProcess[str]:
+    # a subprocess with a deadline: the old read blocked forever on a FIFO nobody writes to
+    cmd = [sys.executable, "-m", "m3patch", "changelog", "check", "--repo", REPO, *args]
+    return subprocess.run(cmd, cwd=repo.root, capture_output=True, text=True, check=False,
+                          timeout=20)
+
+
+def test_file_that_is_a_fifo_is_refused_at_once(repo: GitRepo) -> None:
+    os.mkfifo(repo.root / "pipe.yaml")
+    done = _check_in_subprocess(repo, "--file", "pipe.yaml")
+    assert done.returncode == 2, done.stderr
+    assert "pipe.yaml: cannot read the changelog: not a regular file" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_master_config_that_is_a_fifo_is_refused_at_once(repo: GitRepo) -> None:
+    repo.write(entry())
+    (repo.root / "configs").mkdir()
+    os.mkfifo(repo.root / "configs" / "amd-master.yaml")
+    done = _check_in_subprocess(repo)
+    assert done.returncode == 2, done.stderr
+    assert "amd-master.yaml: cannot read: not a regular file" in done.stderr
