@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import stat
 import struct
 import sys
@@ -483,6 +484,43 @@ def read_state(path: Path | str, limit: int = STATE_MAX_BYTES, *, links: bool = 
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_stream(path: Path | str, limit: int) -> bytes:
+    """A file a user names that may be a pipe: a regular file or device as `read_state`
+    (links followed), or a pipe with a writer (`<(cat server.log)`, a FIFO its writer holds)
+    read until the writer closes it. A FIFO with no writer and nothing in it is refused
+    (OSError ENXIO): a blocking open would wait forever for a writer that may never come."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # no wait for a writer
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return read_state(path, limit, links=True)
+        return _read_pipe(fd, str(path), limit)
+    finally:
+        os.close(fd)
+
+
+def _read_pipe(fd: int, path: str, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size, waited = 0, False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:  # empty while a writer holds it: wait for bytes or its close
+            waited = True
+            poller.poll()
+            continue
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+        chunks.append(chunk)
+    if not chunks and not waited:
+        raise OSError(errno.ENXIO, "a FIFO nobody writes to (no writer has it open)", path)
+    return b"".join(chunks)
 
 
 def read_json(path: Path, *, error: type[M3PatchError], hint: str, expect: type = object,

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from m3patch.errors import UsageError
+from m3patch.fsio import read_stream
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.markers import judge_log
@@ -16,6 +17,8 @@ from m3patch.patching.series import load_series, series_path
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.serving.launch_plan import all_markers
+
+LOG_MAX_BYTES = 4 << 30  # a long run's log is well under this; `<(yes)` never ends
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +40,12 @@ def _check(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     specs = all_markers(recipe, None)
     try:
-        data = args.log.read_bytes()
+        data = read_stream(args.log, LOG_MAX_BYTES)  # a pipe too: `markers check <(cat LOG)`
     except OSError as exc:
-        msg = f"{args.log}: cannot read the log: {exc.strerror}"
-        raise UsageError(msg, hint="pass the server.log of a run folder") from None
+        msg = f"{args.log}: cannot read the log: {exc.strerror or exc}"
+        hint = ("pass the server.log of a run folder (a FIFO: start its writer first, e.g. "
+                "`cat server.log > FIFO &`)")
+        raise UsageError(msg, hint=hint) from None
     summary = judge_log(data, specs, log_name=str(args.log))
     rows = [[m.id, m.kind, m.text, m.count if m.count is not None else "any",
              summary.counts.get(m.id, 0), m.declared_by] for m in specs]

@@ -200,3 +200,53 @@ def test_shell_lines_keep_every_word_even_one_past_the_width() -> None:
     assert lines[0] == "env K='v w' \\" and lines[1].startswith("   /py -m vllm")
     joined = " ".join(line.removesuffix(" \\") for line in lines)
     assert shlex.split(joined) == ["env", "K=v w", *argv]
+
+
+def _markers_check(log: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`markers check LOG` through bash, so LOG may be a process substitution; a deadline, as
+    a read that blocks forever is the failure some of these tests look for."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M3PATCH_")}
+    command = (f"exec {shlex.quote(sys.executable)} -m m3patch markers check {log}"
+               " --recipe recipes/cpu_tiny_moe.yaml")
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO,
+                          env={**env, "COLUMNS": "250"}, timeout=timeout, check=False)
+
+
+def test_markers_check_reads_a_process_substitution(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\n")
+    done = _markers_check(f"<(cat {shlex.quote(str(log))})")
+    assert done.returncode == 0, done.stderr
+    log.write_text(f"{ARCH}\n{MOE}\n")
+    assert _markers_check(f"<(sleep 1; cat {shlex.quote(str(log))})").returncode == 12
+
+
+def test_markers_check_reads_a_fifo_whose_writer_waits(tmp_path: Path) -> None:
+    fifo = tmp_path / "server.fifo"
+    os.mkfifo(fifo)
+    command = f"cat > {shlex.quote(str(fifo))}"
+    with subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, text=True) as writer:
+        done = None
+        try:
+            assert writer.stdin is not None
+            writer.stdin.write(f"{ARCH}\n{PROV}\n{MOE}\n")
+            writer.stdin.close()
+            done = _markers_check(shlex.quote(str(fifo)))
+        finally:
+            writer.kill()
+    assert done.returncode == 0, done.stderr
+
+
+def test_markers_check_refuses_a_fifo_nobody_writes_to(tmp_path: Path) -> None:
+    fifo = tmp_path / "server.fifo"
+    os.mkfifo(fifo)
+    done = _markers_check(shlex.quote(str(fifo)), timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert f"{fifo}: cannot read the log: a FIFO nobody writes to" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_markers_check_refuses_a_device(tmp_path: Path) -> None:
+    done = _markers_check("/dev/zero", timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert "/dev/zero: cannot read the log: not a regular file" in done.stderr
