@@ -22,6 +22,7 @@ from m3patch.errors import (
     forget_interrupts,
     raise_if_interrupted,
 )
+from m3patch.output import printable
 
 CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a tool killed by SIGPIPE reports (`| head`)
 # errno of a write to a stream that cannot take it (stdout to /dev/full, a full disk or quota,
@@ -74,6 +75,7 @@ def _emit_json(code: int, kind: str, message: str, hint: str | None) -> None:
 
 
 def _emit(message: str, *, annotated: bool = False) -> None:
+    message = printable(message)  # values from state or results files: no terminal sequence
     first, *rest = message.splitlines() or [""]
     try:
         if os.environ.get("GITHUB_ACTIONS") == "true" and not annotated:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,12 +38,32 @@ def stdout_console() -> Console:
     return _console(width=None if sys.stdout.isatty() else 160)
 
 
+# C0 controls but newline and tab, DEL, C1 controls, and surrogates (lone ones come from JSON's
+# "\ud800" or a file name's undecodable byte)
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` as a terminal may show it: a control character as a Python escape (ESC or CSI
+    from a state or results file would start a terminal sequence: recolour, retitle, clear),
+    a lone surrogate too (UTF-8 has no bytes for it: a strict stdout fails on it); one of
+    U+DC80-U+DCFF, a file name's undecodable byte, as that byte (\\xff)."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code - 0xDC00:02x}"
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
 def info(message: str) -> None:
-    print(f"m3patch: {message}", file=sys.stderr, flush=True)
+    print(f"m3patch: {printable(message)}", file=sys.stderr, flush=True)
 
 
 def warn(message: str) -> None:
-    print(f"m3patch: warning: {message}", file=sys.stderr, flush=True)
+    print(f"m3patch: warning: {printable(message)}", file=sys.stderr, flush=True)
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
@@ -51,7 +72,8 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Pipes, files and CI logs get `plain_table`: no box drawing, no cell cut or wrapped, so the
     output can be grepped and its values copied as they are.
     """
-    cells = [[str(cell) for cell in row] for row in rows]
+    title = printable(title)
+    cells = [[printable(str(cell)) for cell in row] for row in rows]
     if not sys.stdout.isatty():
         sys.stdout.write(plain_table(title, columns, cells))
         sys.stdout.flush()

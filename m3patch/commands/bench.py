@@ -36,7 +36,7 @@ from m3patch.errors import (
 )
 from m3patch.eval import compare as eval_compare
 from m3patch.fsio import write_output_json
-from m3patch.output import info, stdout_console, table, warn
+from m3patch.output import info, printable, stdout_console, table, warn
 from m3patch.patching import report_json
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
@@ -207,7 +207,7 @@ def _compare(base: Path, new: Path, args: argparse.Namespace) -> int:
     if result.unmatched:
         table("not compared", ["Reason", "Concurrency", "Cells"],
               [[u.side, u.concurrency, u.detail] for u in result.unmatched])
-    stdout_console().print(cmp.summary(result), markup=False, highlight=False)
+    stdout_console().print(printable(cmp.summary(result)), markup=False, highlight=False)
     accuracy = _accuracy(scores)
     target = json_file(args)
     if target is not None:
@@ -237,7 +237,7 @@ def _changelog_entry(base_agg: dict[str, Any], new_agg: dict[str, Any],
              "the m3patch recipe name; an InferenceX checkout's own check accepts only its "
              "master-config entries (set inferencex.config-entry in the recipe and re-aggregate: "
              f"m3patch bench RECIPE --resume --run-dir {new})")
-    stdout_console().print("\n" + changelog_entry(base_agg, new_agg, key).rstrip("\n"),
+    stdout_console().print("\n" + printable(changelog_entry(base_agg, new_agg, key).rstrip("\n")),
                            markup=False, highlight=False, soft_wrap=True)
     return 0
 

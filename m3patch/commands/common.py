@@ -13,6 +13,7 @@ from types import FrameType
 
 from m3patch.commands.flags import add_python_flag
 from m3patch.errors import Interrupted, UsageError, forget_interrupts, interrupt
+from m3patch.output import printable
 from m3patch.patching.locate import VllmTree, find_vllm
 from m3patch.patching.series import (
     ENV_SERIES,
@@ -103,8 +104,8 @@ def prepare_process() -> None:
 
 
 def say(line: str) -> None:
-    print(line, flush=True)
+    print(printable(line), flush=True)
 
 
 def err(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(printable(line), file=sys.stderr, flush=True)

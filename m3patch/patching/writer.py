@@ -431,10 +431,11 @@ def read_journal(root: Path) -> tuple[str, list[Entry], bytes | None]:
             msg = "'entries' must be a list and 'ledger' text or null"
             raise ValueError(msg)
         entries = [Entry.from_json(e, root) for e in body["entries"]]
+        # UnicodeEncodeError (a ValueError): a lone surrogate, JSON's "\ud800", has no bytes
+        ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
     except (ValueError, KeyError, TypeError) as exc:
         msg = f"{path}: invalid journal ({type(exc).__name__}: {exc}); nothing was changed"
         raise TreeIOError(msg, hint=hint) from None
-    ledger = None if body["ledger"] is None else str(body["ledger"]).encode()
     if ledger is not None:
         parse_ledger(ledger, f"{path} (its ledger)")  # TreeIOError: never recorded unchecked
     return str(body["phase"]), entries, ledger

@@ -138,3 +138,20 @@ def test_a_huge_or_unhashable_row_value_is_results_invalid(tmp_path: Path, key: 
     code, out, err = cli("bench", "compare", str(RUNS / "base"), str(run))
     assert code == ResultsInvalid.exit_code, err
     assert f".{key}" in err and "Traceback" not in err and not out
+
+
+@pytest.mark.parametrize("name", ["\ud800", "\udcff"])
+def test_a_lone_surrogate_or_escape_in_the_recipe_name_is_printed_escaped(
+        tmp_path: Path, m3patch_cli: Any, name: str) -> None:
+    """Before: the title's lone surrogate ended in UnicodeEncodeError on stdout (exit 70), and
+    an ESC in it reached the terminal raw (it could recolour or clear the screen)."""
+    run = shutil.copytree(RUNS / "base", tmp_path / "new")
+    data = json.loads((run / "aggregate.json").read_text())
+    data["recipe_name"] = f"{name}\x1b[2J\x9b"
+    (run / "aggregate.json").write_text(json.dumps(data))
+    done = m3patch_cli("bench", "compare", str(RUNS / "base"), str(run),
+                       env={"PYTHONIOENCODING": "utf-8"})  # strict, as a UTF-8 locale's stdout
+    assert done.returncode == 0, done.stderr
+    shown = name.encode("unicode_escape").decode() if name == "\ud800" else "\\xff"
+    assert f"-> new {shown}\\x1b[2J\\x9b / " in done.stdout
+    assert "\x1b" not in done.stdout and "\x9b" not in done.stdout

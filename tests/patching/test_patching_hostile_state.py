@@ -670,3 +670,29 @@ def test_a_stop_swallowed_after_the_transaction_exits_130_with_one_json_object(
     code, out, err = cli("apply", *where, "--json")
     again = json.loads(out)
     assert code == 0 and again["already_applied"] and not again["applied"], err
+
+
+def test_a_lone_surrogate_or_escape_in_the_ledger_series_is_printed_escaped(
+        vllm_tree: Path, test_series: Path, m3patch_cli: CliRunner) -> None:
+    """Before: `status` printed the ledger's series "\\ud800" into a table: UnicodeEncodeError on
+    stdout, exit 70; an ESC in it reached the terminal raw."""
+    root = ["--vllm-root", str(vllm_tree), "--series", str(test_series)]
+    assert cli("apply", *root)[0] == 0
+    ledger = state(vllm_tree) / "ledger.json"
+    doc = json.loads(ledger.read_text())
+    doc["series"] = "\ud800\x1b]0;owned\x07"
+    ledger.write_text(json.dumps(doc))
+    done = m3patch_cli("status", *root, env={"PYTHONIOENCODING": "utf-8"})
+    assert done.returncode in (0, errors.PatchConflict.exit_code), done.stderr
+    assert "\\ud800\\x1b]0;owned\\x07" in done.stdout + done.stderr
+    assert "\x1b" not in done.stdout + done.stderr
+
+
+def test_a_lone_surrogate_in_a_journals_ledger_is_the_trees_error(vllm_tree: Path,
+                                                                  test_series: Path) -> None:
+    """Before: read_journal encoded the journal's ledger text to bytes outside its checks: a
+    lone surrogate ("\\ud800" in the JSON) ended in UnicodeEncodeError, exit 70."""
+    write_journal(vllm_tree, {"phase": "commit", "entries": [], "ledger": "\ud800"})
+    code, _, err = cli("apply", "--vllm-root", str(vllm_tree), "--series", str(test_series))
+    assert code == errors.TreeIOError.exit_code, err
+    assert "invalid journal" in err and "\\ud800" in err
