@@ -38,6 +38,9 @@ from m3patch.recipe.loader import Recipe
 
 HEALTH_TIMEOUT_S = 5.0
 PLOTS_DIR = "plots"
+# What `m3patch ci` writes into its run folder beside the sweep's cells: such a folder is ci's,
+# gated and summarised, never one `bench --resume` picks up (commands.ci names them from here).
+CI_SUMMARY, CI_SERVE_LOG, CI_EVAL_LOG = "ci.json", "ci-serve.log", "ci-eval.log"
 
 
 def select_cells(recipe: Recipe, only: Sequence[str]) -> tuple[AnyCell, ...]:
@@ -57,14 +60,31 @@ def resolve_run_dir(recipe: Recipe, run_dir: Path | None, resume: bool) -> Path:
         return run_dir
     base = recipe.results_dir
     if resume:
-        # Only a folder holding a cell's result is a run to resume: one that a refused or cut
-        # short run left without any would hide the earlier run whose cells --resume keeps.
-        earlier = sorted(p for p in base.glob("*") if cell_files(p)) if base.is_dir() else []
+        earlier = sorted((_written_at(p), p.name, p) for p in base.glob("*")
+                         if _is_bench_run(p)) if base.is_dir() else []
         if not earlier:
-            msg = f"--resume: no earlier run folder with per-cell results under {base}"
+            msg = f"--resume: no earlier bench run folder with per-cell results under {base}"
             raise UsageError(msg, hint="drop --resume, or pass --run-dir RUN_FOLDER")
-        return earlier[-1]
+        return earlier[-1][2]
     return base / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _is_bench_run(folder: Path) -> bool:
+    """Only a folder holding a cell's result is a run to resume (one a refused or cut short
+    run left without any would hide the earlier run whose cells --resume keeps), and not ci's:
+    the recipe's results hold serve-, eval- and ci- runs too, whatever their names."""
+    if any((folder / name).exists() for name in (CI_SUMMARY, CI_SERVE_LOG, CI_EVAL_LOG)):
+        return False
+    return bool(cell_files(folder))
+
+
+def _written_at(folder: Path) -> int:
+    """When the run last wrote a cell's result: a folder's name is no time (--run-dir names
+    it), and the folder's own mtime moves whenever anything is added."""
+    try:
+        return max(cell.stat().st_mtime_ns for cell in cell_files(folder))
+    except OSError:  # removed while listed: no run to resume first
+        return 0
 
 
 def run_meta(recipe: Recipe, run_dir: Path, provenance: dict[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = parser.add_argument_group("sweep (m3patch bench RECIPE)")
     sweep.add_argument("--run-dir", type=Path,
                        help="run folder (default: <recipe results>/<UTC time>; with --resume: "
-                            "the newest run folder there that holds a cell's result)")
+                            "the bench run folder there whose cell results were written last; ci's are "
+                            "never taken)")
     sweep.add_argument("--resume", action="store_true",
                        help="keep cells that already have a valid, complete result file")
     sweep.add_argument("--only", action="append", metavar="CELL_ID", default=[],

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+from m3patch.bench.runner import CI_EVAL_LOG, CI_SERVE_LOG, CI_SUMMARY
 from m3patch.commands.flags import add_python_flag
 from m3patch.errors import (
     Interrupted,
@@ -45,9 +46,7 @@ from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
 
-SUMMARY = "ci.json"
-SERVE_LOG = "ci-serve.log"
-EVAL_LOG = "ci-eval.log"
+SUMMARY, SERVE_LOG, EVAL_LOG = CI_SUMMARY, CI_SERVE_LOG, CI_EVAL_LOG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ CPU recipe (range-ratio 0.8, concurrency 1, 2, 4); nothing here starts vLLM.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -128,3 +129,42 @@ def test_resume_takes_the_newest_run_folder_that_holds_results(
     assert main(["bench", str(recipe), "--resume", "--no-plots"]) == 0
     assert "aggregated" in capsys.readouterr().err
     assert (run / "aggregate.json").is_file()
+
+
+def _run_with_cells(folder: Path, written_at: float) -> Path:
+    """A copy of the recorded run without its aggregate, its cell files written at `written_at`."""
+    run = shutil.copytree(BASE_RUN, folder)
+    (run / "aggregate.json").unlink()
+    for cell in (run / "cells").iterdir():
+        os.utime(cell, (written_at, written_at))
+    return run
+
+
+def test_resume_never_takes_a_ci_run_folder(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the newest folder by name won, and `ci-...` sorts after every bench run's UTC
+    time: bench --resume aggregated (and would have measured into) ci's folder."""
+    results = tmp_path / "results"
+    _results_here(recipe, results)
+    bench = _run_with_cells(results / "20260101T000000Z", 1_700_000_000)
+    ci = _run_with_cells(results / "ci-cpu_tiny_moe-20260102-000000", 1_800_000_000)
+    (ci / "ci-serve.log").write_text("ci's server\n")
+    (results / "serve-20260103-000000").mkdir()
+    (results / "serve-20260103-000000" / "server.log").write_text("a served run\n")
+    assert main(["bench", str(recipe), "--resume", "--no-plots"]) == 0, capsys.readouterr().err
+    assert (bench / "aggregate.json").is_file()
+    assert not (ci / "aggregate.json").exists()
+
+
+def test_resume_takes_the_run_whose_results_were_written_last(
+    recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a bench run named by --run-dir (`baseline`) sorted after every UTC-time name."""
+    results = tmp_path / "results"
+    _results_here(recipe, results)
+    old = _run_with_cells(results / "baseline", 1_700_000_000)
+    new = _run_with_cells(results / "20260101T000000Z", 1_800_000_000)
+    assert main(["bench", str(recipe), "--resume", "--no-plots"]) == 0, capsys.readouterr().err
+    assert (new / "aggregate.json").is_file()
+    assert not (old / "aggregate.json").exists()
