@@ -191,10 +191,19 @@ def compare_rows(base: Scores, new: Scores) -> list[list[str]]:
     rows = []
     for key in sorted(set(base) | set(new)):
         old, cur = base.get(key), new.get(key)
-        change = f"{(cur[0] - old[0]) * 100:+.2f} pts" if old and cur else "n/a (one side)"
+        change = _change(key[1], old[0], cur[0]) if old and cur else "n/a (one side)"
         rows.append([key[0], key[1], f"{old[0]:.4f}" if old else "-",
                      f"{cur[0]:.4f}" if cur else "-", change])
     return rows
+
+
+def _change(metric: str, old: float, new: float) -> str:
+    """Percentage points for a score within [0, 1] or [-1, 1] (a share, a correlation); the
+    plain difference for any other (a perplexity, a BLEU): x100 would make it 100 times larger."""
+    name = metric.partition(",")[0]
+    if name in FRACTION_METRICS or name in SIGNED_METRICS:
+        return f"{(new - old) * 100:+.2f} pts"
+    return f"{new - old:+.4f}"
 
 
 def change_cell(base: Scores, new: Scores) -> str:

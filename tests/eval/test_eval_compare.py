@@ -235,3 +235,16 @@ def test_after_the_sweep_the_results_table_prints_once_with_the_scores(
     out = capsys.readouterr().out
     assert "cpu_tiny_moe: accuracy" in out and "per-GPU" not in out
     assert (before / "aggregate.json").read_bytes() == kept
+
+
+def test_a_change_of_a_metric_that_is_no_fraction_is_no_points() -> None:
+    """Before: every change was (new - base) * 100 "pts", so a perplexity going from 12.0 to
+    12.5 showed as "+50.00 pts" (a fraction's percentage points, which it is not)."""
+    base = {("wikitext", "word_perplexity,none"): (12.0, 62, True),
+            ("gsm8k", "exact_match,strict-match"): (0.9553, 1319, True),
+            ("mnli", "mcc,none"): (0.25, 100, True)}
+    new = {("wikitext", "word_perplexity,none"): (12.5, 62, True),
+           ("gsm8k", "exact_match,strict-match"): (0.9530, 1319, True),
+           ("mnli", "mcc,none"): (0.5, 100, True)}
+    changes = {row[0]: row[4] for row in compare_rows(base, new)}
+    assert changes == {"wikitext": "+0.5000", "gsm8k": "-0.23 pts", "mnli": "+25.00 pts"}
