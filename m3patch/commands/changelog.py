@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
+    if args.pr is not None and args.pr < 1:
+        msg = f"--pr must be a PR number (1 or more), got {args.pr}"
+        raise UsageError(msg, hint="m3patch changelog check --pr 2508  (or drop --pr)")
     root, path = _locate(args)
     rel = _relative(path, root)
     for ref in (args.base, args.head):

@@ -155,3 +155,14 @@ def test_master_config_that_is_a_fifo_is_refused_at_once(repo: GitRepo) -> None:
     done = _check_in_subprocess(repo)
     assert done.returncode == 2, done.stderr
     assert "amd-master.yaml: cannot read: not a regular file" in done.stderr
+
+
+@pytest.mark.parametrize("number", ["0", "-5"])
+def test_pr_that_is_no_pr_number_is_a_usage_error(
+    repo: GitRepo, capsys: pytest.CaptureFixture[str], number: str
+) -> None:
+    """Before: --pr 0 and --pr -5 were taken, and a new entry had to link .../pull/0."""
+    repo.write(entry(pr=f"https://github.com/{REPO}/pull/{number}"))
+    code, out = repo.check(capsys, "--pr", number)
+    assert code == 2, out
+    assert f"--pr must be a PR number (1 or more), got {number}" in out
