@@ -1,3 +1,3 @@
-from m3patch.main import main
+from m3patch.main import run
 
-raise SystemExit(main())
+run()

@@ -486,21 +486,28 @@ def read_state(path: Path | str, limit: int = STATE_MAX_BYTES, *, links: bool = 
         os.close(fd)
 
 
+FIFO_WRITER_WAIT_S = 10.0  # a FIFO's reader started just before its writer: `markers check F &`
+
+
 def read_stream(path: Path | str, limit: int) -> bytes:
     """A file a user names that may be a pipe: a regular file or device as `read_state`
-    (links followed), or a pipe with a writer (`<(cat server.log)`, a FIFO its writer holds)
-    read until the writer closes it. A FIFO with no writer and nothing in it is refused
-    (OSError ENXIO): a blocking open would wait forever for a writer that may never come."""
+    (links followed), or a pipe read until its writer closes it: a shell's pipe or process
+    substitution (`/dev/stdin`, `<(cat server.log)`: empty when its writer wrote nothing), or a
+    named FIFO, whose writer may come up to FIFO_WRITER_WAIT_S later. A named FIFO no writer
+    opens by then is refused (OSError ENXIO): a blocking open would wait forever."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # no wait for a writer
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             return read_state(path, limit, links=True)
-        return _read_pipe(fd, str(path), limit)
+        # a shell's pipe is reached through /dev/fd (/proc/self/fd/N -> "pipe:[inode]"); its
+        # writer was there from the start, so an end at once is an empty log, not a missing writer
+        shells = os.path.basename(os.path.realpath(path)).startswith("pipe:[")
+        return _read_pipe(fd, str(path), limit, 0.0 if shells else FIFO_WRITER_WAIT_S)
     finally:
         os.close(fd)
 
 
-def _read_pipe(fd: int, path: str, limit: int) -> bytes:
+def _read_pipe(fd: int, path: str, limit: int, writer_wait_s: float) -> bytes:
     chunks: list[bytes] = []
     size, waited = 0, False
     poller = select.poll()
@@ -512,14 +519,20 @@ def _read_pipe(fd: int, path: str, limit: int) -> bytes:
             waited = True
             poller.poll()
             continue
-        if not chunk:
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+            chunks.append(chunk)
+            continue
+        if chunks or waited or not writer_wait_s:
             break
-        size += len(chunk)
-        if size > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
-        chunks.append(chunk)
-    if not chunks and not waited:
-        raise OSError(errno.ENXIO, "a FIFO nobody writes to (no writer has it open)", path)
+        # a named FIFO at its end before any writer opened it: Linux's poll reports nothing
+        # until a writer comes (then bytes, or a hang-up once it leaves)
+        waited = True
+        if not poller.poll(int(writer_wait_s * 1000)):
+            msg = f"a FIFO no writer opened within {writer_wait_s:g} s"
+            raise OSError(errno.ENXIO, msg, path)
     return b"".join(chunks)
 
 

@@ -281,3 +281,20 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+def run() -> NoReturn:
+    """The `m3patch` program (console script and `python -m m3patch`): main, then exit with its
+    code. Once main has returned, the exit code is decided; a stop signal arriving after it (a
+    second one sent with the first, landing while the interpreter shuts down and has put the
+    default handlers back) would otherwise kill the process with that signal's status instead.
+    So stop signals are blocked for the exit; an in-process caller of main() keeps its own."""
+    code = main()
+    import signal
+
+    with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+        signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, s) for s in _STOP_SIGNALS])
+    raise SystemExit(code)

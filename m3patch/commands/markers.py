@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from m3patch.errors import UsageError
-from m3patch.fsio import read_stream
+from m3patch.fsio import FIFO_WRITER_WAIT_S, read_stream
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
 from m3patch.markers import judge_log
@@ -43,8 +43,8 @@ def _check(args: argparse.Namespace) -> int:
         data = read_stream(args.log, LOG_MAX_BYTES)  # a pipe too: `markers check <(cat LOG)`
     except OSError as exc:
         msg = f"{args.log}: cannot read the log: {exc.strerror or exc}"
-        hint = ("pass the server.log of a run folder (a FIFO: start its writer first, e.g. "
-                "`cat server.log > FIFO &`)")
+        hint = ("pass the server.log of a run folder (a FIFO: start its writer within "
+                f"{FIFO_WRITER_WAIT_S:g} s, e.g. `cat server.log > FIFO &`)")
         raise UsageError(msg, hint=hint) from None
     summary = judge_log(data, specs, log_name=str(args.log))
     rows = [[m.id, m.kind, m.text, m.count if m.count is not None else "any",

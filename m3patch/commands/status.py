@@ -18,6 +18,7 @@ from m3patch.output import table
 from m3patch.patching import report_json
 from m3patch.patching.api import tree_status
 from m3patch.patching.engine import ALL_UP_TO, MORE_HINT, SHOWN_FILES
+from m3patch.patching.snapshot import unpinned_message
 
 if TYPE_CHECKING:
     from m3patch.patching.status import StatusReport
@@ -43,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if report.interrupted:
         msg = "an interrupted transaction is pending in vllm/.m3patch/journal.json"
         raise PatchConflict(msg, hint="m3patch apply (or m3patch revert) completes or rolls it back")
+    if report.unpinned:  # apply refuses such a tree too: the way back is the other series'
+        msg, hint = unpinned_message(tree, series, report.unpinned)
+        raise PatchConflict(msg, hint=hint)
     if report.conflicts:
         named = ", ".join(report.conflicts[:SHOWN_FILES])
         more = len(report.conflicts) - SHOWN_FILES

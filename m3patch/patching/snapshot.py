@@ -59,8 +59,8 @@ def _read_one(path: str) -> bytes | None:
             what = _ODD_FILE[exc.errno]
             msg = f"{path}: {what} stands where the series pins a source file"
             raise PatchConflict(msg, hint="remove it, then `pip install --force-reinstall "
-                                "--no-deps vllm` restores the file; `m3patch status` shows the "
-                                "rest") from None
+                                "--no-deps vllm==<this tree's version>` restores the file "
+                                "(`m3patch locate` prints the version)") from None
         msg = f"{path}: cannot read: {exc.strerror}"
         raise TreeIOError(msg, hint="check permissions on the vLLM tree") from None
 

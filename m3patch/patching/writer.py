@@ -397,10 +397,20 @@ def _refuse_edited(root: Path, entries: list[Entry]) -> None:
         msg = (f"{target}: changed after an interrupted transaction (it holds neither the "
                f"pre-image nor the post-image recorded in {journal_path(root)}); m3patch does "
                "not overwrite it")
-        raise PatchConflict(msg, hint="keep your edit elsewhere and restore the file "
-                            "(`pip install --force-reinstall --no-deps vllm` restores every "
-                            "file), then rerun the same m3patch command: it finishes or undoes "
-                            "the transaction")
+        raise PatchConflict(msg, hint=_edited_hint(target, backup, entry))
+
+
+def _edited_hint(target: Path, backup: Path | None, entry: Entry) -> str:
+    """The way on from a hand edit: put back the pre-image the writer kept (the backup), or
+    remove a file the transaction adds; else the pristine file from the wheel."""
+    keep = "copy your edit elsewhere first, then "
+    rerun = "; then rerun the same m3patch command: it finishes or undoes the transaction"
+    if backup is not None and _is(backup, entry.pre):
+        return f"{keep}put back the pre-image the writer kept: `mv {backup} {target}`{rerun}"
+    if entry.pre is None:
+        return f"{keep}remove it (the transaction adds this file): `rm {target}`{rerun}"
+    return (f"{keep}restore the file: `pip install --force-reinstall --no-deps "
+            f"vllm==<this tree's version>` (`m3patch locate` prints it){rerun}")
 
 
 def _completable(root: Path, entry: Entry) -> bool:

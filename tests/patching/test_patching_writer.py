@@ -229,7 +229,10 @@ def test_a_hand_edit_after_an_interrupted_transaction_is_never_overwritten(
     assert refused.returncode == errors.PatchConflict.exit_code, refused.stderr
     assert "logger.py: changed after an interrupted transaction" in refused.stderr
     assert logger.read_bytes() == b"# my own logger\n" and journal.exists()
-    replace_file(logger, original)
+    command = refused.stderr.split("`")[1]  # the hint's way on, followed as a user would
+    assert command.startswith("mv ") and command.endswith(str(logger)), refused.stderr
+    subprocess.run(command, shell=True, check=True)
+    assert logger.read_bytes() == original
     rerun = m3patch_cli(*args)
     assert rerun.returncode == 0, rerun.stderr
     assert "interrupted transaction" in rerun.stderr and not journal.exists()

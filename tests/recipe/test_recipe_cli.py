@@ -13,6 +13,8 @@ import termios
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from m3patch.recipe.loader import load_recipe
 from m3patch.serving.launch_plan import all_markers
 
@@ -62,7 +64,8 @@ def test_show_and_dry_run_print_the_launch_and_start_nothing(m3patch_cli: Cli,
                                                              tmp_path: Path) -> None:
     show = m3patch_cli("recipe", "show", "recipes/mi300x_tp8_eagle3.yaml", env={"COLUMNS": "250"})
     assert show.returncode == 0, show.stderr
-    assert "-m vllm.entrypoints.cli.main serve MiniMaxAI/MiniMax-M3-MXFP8" in show.stdout
+    joined = show.stdout.replace(" \\\n   ", " ")  # the launch's lines as the shell reads them
+    assert "-m vllm.entrypoints.cli.main serve MiniMaxAI/MiniMax-M3-MXFP8" in joined
     assert '"model":"Inferact/MiniMax-M3-EAGLE3-GQA"' in show.stdout
     assert "VLLM_HOST_IP=127.0.0.1" in show.stdout
     assert "m3patch[provenance]: series=vllm-0.33.0" in show.stdout  # the series' marker
@@ -182,9 +185,10 @@ def test_the_launch_is_one_shell_command_over_lines_a_terminal_shows_whole(
     end = next(i for i in range(start, len(lines)) if not lines[i].endswith(" \\"))
     launch = lines[start:end + 1]
     assert all(len(line) <= 100 for line in launch), launch
-    assert any(line.startswith(f"   {sys.executable} -m vllm") or
-               line.startswith(f"   {shlex.quote(sys.executable)} -m vllm") for line in launch)
-    assert "   --tensor-parallel-size 8 " in "\n".join(launch) + " "
+    assert any(line.startswith((f"   {sys.executable} ", f"   {shlex.quote(sys.executable)} "))
+               for line in launch), launch
+    # an option beside its value, wherever the interpreter's path (its length) puts the break
+    assert any("--tensor-parallel-size 8" in line for line in launch), launch
     words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + "\n".join(launch)],
                            capture_output=True, text=True, check=True).stdout.splitlines()
     assert words[0] == "env" and "VLLM_ROCM_USE_AITER=1" in words
@@ -238,12 +242,34 @@ def test_markers_check_reads_a_fifo_whose_writer_waits(tmp_path: Path) -> None:
 
 
 def test_markers_check_refuses_a_fifo_nobody_writes_to(tmp_path: Path) -> None:
+    """Before: the open waited for a writer forever. Now a writer has 10 s to come."""
     fifo = tmp_path / "server.fifo"
     os.mkfifo(fifo)
-    done = _markers_check(shlex.quote(str(fifo)), timeout=20)
+    done = _markers_check(shlex.quote(str(fifo)), timeout=40)
     assert done.returncode == 2, done.stderr
-    assert f"{fifo}: cannot read the log: a FIFO nobody writes to" in done.stderr
+    assert f"{fifo}: cannot read the log: a FIFO no writer opened within 10 s" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_markers_check_started_before_its_fifos_writer_reads_it(tmp_path: Path) -> None:
+    """`markers check F &` then `cat server.log > F`: the writer comes a second later."""
+    fifo, log = tmp_path / "server.fifo", tmp_path / "server.log"
+    os.mkfifo(fifo)
+    log.write_text(f"{ARCH}\n{PROV}\n{MOE}\n")
+    later = f"sleep 1; cat {shlex.quote(str(log))} > {shlex.quote(str(fifo))}"
+    with subprocess.Popen(["bash", "-c", later]) as writer:
+        done = _markers_check(shlex.quote(str(fifo)))
+        writer.wait(timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("log", ["<(true)", "/dev/stdin < <(true)", "/dev/stdin <<< ''"])
+def test_markers_check_of_an_empty_shell_pipe_is_an_empty_log(log: str) -> None:
+    """A server that died before it printed, its log piped in: before this, 2 ("a FIFO nobody
+    writes to") when the writer had already closed. An empty log misses its required markers:
+    12, as an empty file."""
+    done = _markers_check(log)
+    assert done.returncode == 12, done.stderr
 
 
 def test_markers_check_refuses_a_device(tmp_path: Path) -> None:
