@@ -89,9 +89,7 @@ def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 msg = f"expected a string or number (quote booleans: \"1\"/\"0\"), got {value!r}"
                 raise SchemaError(msg)
-            if isinstance(value, float):
-                _finite(value)
-            out.append((name, str(value)))
+            out.append((name, _finite_text(value)))
     return tuple(out)
 
 
@@ -108,16 +106,22 @@ def _scalar(value: object) -> str:
     if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
         msg = f"expected a string or number, got {type(value).__name__}"
         raise SchemaError(msg)
-    if isinstance(value, float):
-        _finite(value)
-    return str(value)
+    return _finite_text(value)
 
 
-def _finite(value: float) -> None:
-    # argparse's float() takes "nan" and "inf", and a NaN passes every bound it meets
-    if not math.isfinite(value):
-        msg = f"expected a finite number, got {value}"
+def _finite_text(value: str | int | float) -> str:
+    """The value as the launch's text, never one that reads as NaN or infinity: argparse's
+    float() takes "nan" and "inf" (any case, signed, padded), and a NaN passes every bound it
+    meets, so `.nan` and `'nan'` are refused alike."""
+    text = str(value)
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(number):
+        msg = f"expected a finite number, got {text.strip()!r} (read as {number})"
         raise SchemaError(msg)
+    return text
 
 
 def _json(value: dict[str, Any]) -> str:

@@ -81,6 +81,10 @@ def test_roles_that_add_up_past_the_node_cap_are_refused(tmp_path: Path) -> None
     ("vllm-args", "served-lora: [a, .nan]", "served-lora"),
     ("vllm-args", "compilation-config: {level: .nan}", "compilation-config"),
     ("env", "VLLM_X: .nan", "VLLM_X"),
+    # quoted, the same text reaches vLLM: float(" -Infinity ") parses
+    ("vllm-args", "max-num-batched-tokens: 'nan'", "max-num-batched-tokens"),
+    ("vllm-args", "gpu-memory-utilization: ' -Infinity '", "gpu-memory-utilization"),
+    ("env", "VLLM_X: 'INF'", "VLLM_X"),
 ])
 def test_a_nan_or_infinite_launch_value_is_a_schema_error(tmp_path: Path, section: str,
                                                           entry: str, key: str) -> None:
