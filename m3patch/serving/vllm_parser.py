@@ -633,13 +633,18 @@ def check_launch(recipe: Recipe, python: str, env: Mapping[str, str] | None = No
         findings += static
     if tree is None:
         _refuse(recipe, findings, shell)
-        if spawn:
-            info(f"not checked by vLLM's parser here: {why}; checked against {checked_by}")
+        note = f"not checked by vLLM's parser here: {why}; checked against {checked_by}"
+        if spawn and note not in _NOTED:  # once, however many launch forms a recipe has
+            _NOTED.add(note)
+            info(note)
         return LaunchCheck(checked_by + (f"; {why}" if why else ""), vllm_parser=False)
     findings += _probe_findings(recipe, python, tree, dump)
     _refuse(recipe, findings, shell)
     return LaunchCheck(f"vLLM {tree.version}'s own parser ({python})", vllm_parser=True,
                        tree=tree)
+
+
+_NOTED: set[str] = set()  # what check_launch told this process already
 
 
 class ParserCheck:

@@ -74,3 +74,11 @@ def test_a_roles_keys_are_named_by_the_role_the_recipes_by_the_recipe(tmp_path: 
         check_launch(next(r for r in role_recipes(load_recipe(pd_recipe(
             tmp_path, arg="max-num-sqs: 4"))) if r.launch_role == "prefill"),
             sys.executable, {}, spawn=False)
+
+
+def test_the_no_parser_note_is_said_once_for_every_launch_form(m3patch_cli: Cli) -> None:
+    """A two-node recipe is three launch forms (the group and two roles): the note that vLLM's
+    parser is not here was printed three times."""
+    result = m3patch_cli("serve", "mi300x_ep16_2node", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("not checked by vLLM's parser here") == 1, result.stderr
