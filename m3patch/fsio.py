@@ -501,7 +501,7 @@ def read_stream(path: Path | str, limit: int) -> bytes:
             return read_state(path, limit, links=True)
         # a shell's pipe is reached through /dev/fd (/proc/self/fd/N -> "pipe:[inode]"); its
         # writer was there from the start, so an end at once is an empty log, not a missing writer
-        shells = os.path.basename(os.path.realpath(path)).startswith("pipe:[")
+        shells = Path(os.path.realpath(path)).name.startswith("pipe:[")
         return _read_pipe(fd, str(path), limit, 0.0 if shells else FIFO_WRITER_WAIT_S)
     finally:
         os.close(fd)

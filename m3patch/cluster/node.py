@@ -43,6 +43,7 @@ from m3patch.cluster.node_plan import (
     node_port,
     plan_node,
     require_topology,
+    role_recipes,
 )
 from m3patch.cluster.shm import ShmTracker
 from m3patch.errors import (
@@ -63,6 +64,7 @@ from m3patch.recipe.topology import NodeId, Topology
 from m3patch.serving.launch_plan import ensure_tree
 from m3patch.serving.processes import group_members
 from m3patch.serving.supervisor import Supervisor
+from m3patch.serving.vllm_parser import check_launch
 
 POLL_S = 0.5
 WATCH_S = 1.0
@@ -160,6 +162,10 @@ class NodeRun:
         if self.node == self.topo.head:
             self.net = network.head_network(self.topo.network, self.topo.address)
         if self.role.runs_vllm:
+            # the role's launch, checked as validate and dry-run check it (the series' spec:
+            # no parser probe on a node's start), before the tree is touched
+            launch = next(r for r in role_recipes(self.recipe) if r.launch_role == self.role.name)
+            check_launch(launch, self.python, spawn=False)
             found = require_present(self.recipe)
             ensured = ensure_tree(self.recipe, self.python)
             info(ensured.report.summary().removeprefix("m3patch: "))

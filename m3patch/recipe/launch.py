@@ -106,7 +106,8 @@ def _scalar(value: object) -> str:
     if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
         msg = f"expected a string or number, got {type(value).__name__}"
         raise SchemaError(msg)
-    return _finite_text(value)
+    # a YAML date (`revision: 2024-05-01`) is its text, as before
+    return _finite_text(value) if isinstance(value, (str, int, float)) else str(value)
 
 
 def _finite_text(value: str | int | float) -> str:

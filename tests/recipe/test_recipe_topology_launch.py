@@ -82,3 +82,16 @@ def test_the_no_parser_note_is_said_once_for_every_launch_form(m3patch_cli: Cli)
     result = m3patch_cli("serve", "mi300x_ep16_2node", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("not checked by vLLM's parser here") == 1, result.stderr
+
+
+def test_a_node_started_alone_checks_its_roles_launch_first(m3patch_cli: Cli,
+                                                            tmp_path: Path) -> None:
+    """`serve RECIPE --role R --rank K` (what a Slurm task or a per-host container runs) went
+    on to the model check and the tree's patching; vLLM itself refused the typo later. The
+    role's launch is checked first, from the series' spec (no parser probe on a node's start)."""
+    path = str(pd_recipe(tmp_path, arg="max-num-sqs: 4"))
+    result = m3patch_cli("serve", path, "--role", "prefill", "--rank", "0", "--run-dir",
+                         str(tmp_path / "run"), "--hold", "1", "--quiet",
+                         env={"M3PATCH_SET_ID": "set-typo", "M3PATCH_TINY_MODEL": str(tmp_path)})
+    assert result.returncode == LaunchRejected.exit_code, result.stderr
+    assert "topology.roles.prefill.vllm-args.max-num-sqs" in result.stderr
