@@ -8,25 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
+from recipe_helpers import recipe_text, write
 
 from m3patch.recipe.loader import load_recipe
 from m3patch.schema import SchemaError
 
 REPO = Path(__file__).resolve().parents[2]
 Cli = Callable[..., subprocess.CompletedProcess[str]]
-
-
-def recipe_text(name: str = "cpu_tiny_moe") -> str:
-    data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
-    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "r.yaml"
-    path.write_text(text)
-    return path
 
 
 @pytest.mark.parametrize(("section", "entry"), [
@@ -42,20 +30,17 @@ def test_a_key_that_is_no_string_is_a_schema_error(tmp_path: Path, section: str,
     assert "keys must be strings" in str(info.value)
 
 
-@pytest.mark.parametrize("entry", ["waive: {1: because}", "counts: {true: 1}"])
-def test_a_marker_id_that_is_no_string_is_a_schema_error(tmp_path: Path, entry: str) -> None:
-    text = recipe_text().replace("\nmarkers:\n", f"\nmarkers:\n  {entry}\n", 1)
+@pytest.mark.parametrize(("name", "old", "new", "where"), [
+    ("cpu_tiny_moe", "\nmarkers:\n", "\nmarkers:\n  waive: {1: because}\n", "markers"),
+    ("cpu_tiny_moe", "\nmarkers:\n", "\nmarkers:\n  counts: {true: 1}\n", "markers"),
+    ("cpu_tiny_moe_pd", "      env:\n", "      env:\n        7: x\n", "prefill"),
+])
+def test_a_marker_id_or_role_key_that_is_no_string_is_a_schema_error(
+        tmp_path: Path, name: str, old: str, new: str, where: str) -> None:
+    text = recipe_text(name).replace(old, new, 1)
     with pytest.raises(SchemaError) as info:
         load_recipe(write(tmp_path, text))
-    assert "At key: markers" in str(info.value) and "keys must be strings" in str(info.value)
-
-
-def test_a_role_key_that_is_no_string_is_a_schema_error(tmp_path: Path) -> None:
-    text = recipe_text("cpu_tiny_moe_pd").replace(
-        "      env:\n", "      env:\n        7: x\n", 1)
-    with pytest.raises(SchemaError) as info:
-        load_recipe(write(tmp_path, text))
-    assert "At key: prefill" in str(info.value) and "keys must be strings" in str(info.value)
+    assert f"At key: {where}" in str(info.value) and "keys must be strings" in str(info.value)
 
 
 def test_a_huge_node_count_is_refused_before_any_node_is_built(tmp_path: Path) -> None:

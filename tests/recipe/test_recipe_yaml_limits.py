@@ -9,25 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
+from recipe_helpers import recipe_text, write
 
 from m3patch.errors import UsageError
 from m3patch.yamlio import load_yaml_text
 
 REPO = Path(__file__).resolve().parents[2]
 Cli = Callable[..., subprocess.CompletedProcess[str]]
-
-
-def recipe_text(name: str = "cpu_tiny_moe") -> str:
-    data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
-    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "r.yaml"
-    path.write_text(text)
-    return path
 
 
 @pytest.mark.parametrize("key", ["[a, b]", "{x: 1}"])
