@@ -42,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_tables(report, f"{series.id} on {tree.root} (vLLM {tree.version})")
     if report.interrupted:
+        from m3patch.patching.writer import pending_edit  # only a tree with a journal needs it
+
+        edited = pending_edit(tree.root)
+        if edited is not None:  # apply and revert would refuse it too: say how to go on
+            raise edited
         msg = "an interrupted transaction is pending in vllm/.m3patch/journal.json"
         raise PatchConflict(msg, hint="m3patch apply (or m3patch revert) completes or rolls it back")
     if report.unpinned:  # apply refuses such a tree too: the way back is the other series'

@@ -400,6 +400,20 @@ def _refuse_edited(root: Path, entries: list[Entry]) -> None:
         raise PatchConflict(msg, hint=_edited_hint(target, backup, entry))
 
 
+def pending_edit(root: Path) -> PatchConflict | None:
+    """Read-only, for status: the refusal the next apply or revert would give a hand edit made
+    after the interrupted transaction (None when there is none, or the journal is not one this
+    writer can act on: apply and revert report that themselves)."""
+    try:
+        _, entries, _ = read_journal(root)
+        _refuse_edited(root, entries)
+    except PatchConflict as exc:
+        return exc
+    except (TreeIOError, HostilePatch, OSError):
+        return None
+    return None
+
+
 def _edited_hint(target: Path, backup: Path | None, entry: Entry) -> str:
     """The way on from a hand edit: put back the pre-image the writer kept (the backup), or
     remove a file the transaction adds; else the pristine file from the wheel."""

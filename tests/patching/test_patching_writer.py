@@ -229,6 +229,9 @@ def test_a_hand_edit_after_an_interrupted_transaction_is_never_overwritten(
     assert refused.returncode == errors.PatchConflict.exit_code, refused.stderr
     assert "logger.py: changed after an interrupted transaction" in refused.stderr
     assert logger.read_bytes() == b"# my own logger\n" and journal.exists()
+    status = m3patch_cli("status", *args[1:])  # read-only: the same refusal, not "apply completes"
+    assert status.returncode == errors.PatchConflict.exit_code, status.stderr
+    assert "logger.py: changed after an interrupted transaction" in status.stderr
     command = refused.stderr.split("`")[1]  # the hint's way on, followed as a user would
     assert command.startswith("mv ") and command.endswith(str(logger)), refused.stderr
     subprocess.run(command, shell=True, check=True)
