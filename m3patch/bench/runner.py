@@ -60,8 +60,8 @@ def resolve_run_dir(recipe: Recipe, run_dir: Path | None, resume: bool) -> Path:
         return run_dir
     base = recipe.results_dir
     if resume:
-        earlier = sorted((_written_at(p), p.name, p) for p in base.glob("*")
-                         if _is_bench_run(p)) if base.is_dir() else []
+        runs = [(p, _bench_cells(p)) for p in base.glob("*")] if base.is_dir() else []
+        earlier = sorted((_written_at(cells), p.name, p) for p, cells in runs if cells)
         if not earlier:
             msg = f"--resume: no earlier bench run folder with per-cell results under {base}"
             raise UsageError(msg, hint="drop --resume, or pass --run-dir RUN_FOLDER")
@@ -69,20 +69,21 @@ def resolve_run_dir(recipe: Recipe, run_dir: Path | None, resume: bool) -> Path:
     return base / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
-def _is_bench_run(folder: Path) -> bool:
-    """Only a folder holding a cell's result is a run to resume (one a refused or cut short
-    run left without any would hide the earlier run whose cells --resume keeps), and not ci's:
-    the recipe's results hold serve-, eval- and ci- runs too, whatever their names."""
+def _bench_cells(folder: Path) -> list[Path]:
+    """A bench run's cell results; none for any other folder. Only a folder holding a cell's
+    result is a run to resume (one a refused or cut short run left without any would hide the
+    earlier run whose cells --resume keeps), and not ci's: the recipe's results hold serve-,
+    eval- and ci- runs too, whatever their names."""
     if any((folder / name).exists() for name in (CI_SUMMARY, CI_SERVE_LOG, CI_EVAL_LOG)):
-        return False
-    return bool(cell_files(folder))
+        return []
+    return list(cell_files(folder))
 
 
-def _written_at(folder: Path) -> int:
+def _written_at(cells: list[Path]) -> int:
     """When the run last wrote a cell's result: a folder's name is no time (--run-dir names
     it), and the folder's own mtime moves whenever anything is added."""
     try:
-        return max(cell.stat().st_mtime_ns for cell in cell_files(folder))
+        return max(cell.stat().st_mtime_ns for cell in cells)
     except OSError:  # removed while listed: no run to resume first
         return 0
 

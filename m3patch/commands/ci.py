@@ -25,7 +25,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from m3patch.bench.runner import CI_EVAL_LOG, CI_SERVE_LOG, CI_SUMMARY
+from m3patch.bench.runner import CI_EVAL_LOG as EVAL_LOG
+from m3patch.bench.runner import CI_SERVE_LOG as SERVE_LOG
+from m3patch.bench.runner import CI_SUMMARY as SUMMARY
 from m3patch.commands.flags import add_python_flag
 from m3patch.errors import (
     Interrupted,
@@ -45,8 +47,6 @@ from m3patch.recipe.evals import EvalWhen
 from m3patch.recipe.names import recipe_path
 from m3patch.run.pipeline import PlotMode, RunCommand, RunPipeline, RunSpec
 from m3patch.run.steps import StepDone, StepStatus, finish, run_steps
-
-SUMMARY, SERVE_LOG, EVAL_LOG = CI_SUMMARY, CI_SERVE_LOG, CI_EVAL_LOG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

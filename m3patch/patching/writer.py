@@ -391,13 +391,13 @@ def _refuse_edited(root: Path, entries: list[Entry]) -> None:
             continue
         backup = target.parent / entry.backup if entry.backup else None
         staged = target.parent / entry.stage if entry.stage else None
-        if not ((backup is not None and _is(backup, entry.pre))
-                or (staged is not None and _is(staged, entry.post))):
+        kept = backup is not None and _is(backup, entry.pre)  # the pre-image the writer kept
+        if not (kept or (staged is not None and _is(staged, entry.post))):
             continue
         msg = (f"{target}: changed after an interrupted transaction (it holds neither the "
                f"pre-image nor the post-image recorded in {journal_path(root)}); m3patch does "
                "not overwrite it")
-        raise PatchConflict(msg, hint=_edited_hint(target, backup, entry))
+        raise PatchConflict(msg, hint=_edited_hint(target, backup if kept else None, entry))
 
 
 def pending_edit(root: Path) -> PatchConflict | None:
@@ -415,11 +415,11 @@ def pending_edit(root: Path) -> PatchConflict | None:
 
 
 def _edited_hint(target: Path, backup: Path | None, entry: Entry) -> str:
-    """The way on from a hand edit: put back the pre-image the writer kept (the backup), or
-    remove a file the transaction adds; else the pristine file from the wheel."""
+    """The way on from a hand edit: put back the pre-image the writer kept (`backup`: None when
+    it holds no such image), or remove a file the transaction adds; else the pristine file."""
     keep = "copy your edit elsewhere first, then "
     rerun = "; then rerun the same m3patch command: it finishes or undoes the transaction"
-    if backup is not None and _is(backup, entry.pre):
+    if backup is not None:
         return f"{keep}put back the pre-image the writer kept: `mv {backup} {target}`{rerun}"
     if entry.pre is None:
         return f"{keep}remove it (the transaction adds this file): `rm {target}`{rerun}"
