@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,6 +155,19 @@ def complete(port: int, prompt: str, host: str = "127.0.0.1") -> tuple[dict[str,
     with urllib.request.urlopen(request, timeout=120) as reply:
         data = json.loads(reply.read())
     return data, time.monotonic() - started  # type: ignore[no-any-return]
+
+
+def complete_or_show(port: int, prompt: str, host: str, run_dir: Path) -> dict[str, Any]:
+    """`complete`, and on an HTTP error what the answer said with the tail of every node's log:
+    a failure in a set of three servers is read from their logs, which go with tmp_path."""
+    try:
+        return complete(port, prompt, host=host)[0]
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace")[:2000]
+        tails = "\n".join(f"== {log.name} (last 60 lines)\n" + "\n".join(
+            log.read_text(errors="replace").splitlines()[-60:])
+            for log in sorted((run_dir / "logs").glob("*.log")))
+        raise AssertionError(f"HTTP {exc.code} from {host}:{port}: {body}\n{tails}") from exc
 
 
 def whole_blocks_before_last(prompt_tokens: int) -> int:
@@ -273,7 +287,7 @@ def test_pd_set_across_namespaces_through_vllm_router(
         router, worst = bed.address(2), 0.0
         for prompt in PROMPTS:
             loads_before = len(INJECTED.findall(decode_log))
-            via_router, _ = complete(PROXY_PORT, prompt, host=router)
+            via_router = complete_or_show(PROXY_PORT, prompt, router, run_dir)
             alone, _ = complete(PORTS["prefill"], prompt, host=bed.address(0))
             got, want = via_router["choices"][0], alone["choices"][0]
             assert got["text"] == want["text"], (prompt, got["text"], want["text"])
