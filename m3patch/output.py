@@ -58,6 +58,12 @@ def _escape(match: re.Match[str]) -> str:
     return match.group().encode("unicode_escape").decode("ascii")
 
 
+def show(text: str) -> None:
+    """A line of a command's own output on stdout, escaped as `printable` (it may carry a
+    recipe's or a series' names and paths)."""
+    print(printable(text), flush=True)
+
+
 def info(message: str) -> None:
     print(f"m3patch: {printable(message)}", file=sys.stderr, flush=True)
 

@@ -17,7 +17,7 @@ from m3patch.commands.flags import add_python_flag
 from m3patch.errors import M3PatchError
 from m3patch.marker_lint.check import lint_all
 from m3patch.marker_lint.lint import raise_on_errors
-from m3patch.output import info, table, warn
+from m3patch.output import info, printable, show, table, warn
 from m3patch.recipe.loader import Recipe, load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.recipe.server_groups import server_groups
@@ -56,7 +56,7 @@ def _validate(files: list[Path], *, lint_markers: bool = True) -> int:
                 unlinted.setdefault(recipe.target.vllm_version, []).append(path)
             check_launches(recipe)
         except M3PatchError as exc:
-            print(f"m3patch: {path}: invalid:\n{exc}", file=sys.stderr)
+            print(printable(f"m3patch: {path}: invalid:\n{exc}"), file=sys.stderr, flush=True)
             first_error = first_error or exc
             continue
         valid += 1
@@ -128,15 +128,15 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
                                located=checked.tree if checked is not None else None)
     if not check:
         _warn_other_vllm(recipe, interpreter)
-    print(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
-    print(f"# series {recipe.series_dir} (applied and verified before start)")
+    show(f"# recipe {recipe.name} ({recipe.target.platform}, vLLM {recipe.target.vllm_version})")
+    show(f"# series {recipe.series_dir} (applied and verified before start)")
     if checked is not None:
-        print(f"# launch checked by {checked.checked_by}")
+        show(f"# launch checked by {checked.checked_by}")
     if recipe.topology is not None:
-        print("# a multi-node set: each node's own command, env and gate follow the sweep")
+        show("# a multi-node set: each node's own command, env and gate follow the sweep")
     else:
-        print("\n".join(shell_lines(plan.env_overrides, plan.spec.argv)))
-        print("\n".join(marker_lines(plan.markers)))
+        show("\n".join(shell_lines(plan.env_overrides, plan.spec.argv)))
+        show("\n".join(marker_lines(plan.markers)))
     if recipe.marker_waivers:
         table("series markers waived by this recipe", ["id", "reason"],
               [list(w) for w in recipe.marker_waivers])
@@ -159,7 +159,7 @@ def show_plan(recipe_path: Path, python: str | None, port: int | None = None, *,
               [[g.index, group_cells([by_id[c] for c in g.cell_ids]),
                 argv_difference(recipe, g.recipe)] for g in groups])
     if recipe.topology is not None:
-        print("\n".join(topology_lines(recipe, interpreter)))
+        show("\n".join(topology_lines(recipe, interpreter)))
 
 
 def topology_lines(recipe: Recipe, python: str) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from m3patch.errors import UsageError
+from m3patch.output import show
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.names import recipe_path
 from m3patch.tune.judge import DEFAULT_ROUNDS, MIN_ROUNDS, format_table
@@ -142,7 +143,7 @@ def _print_plan(shapes: tuple[MoEShape, ...], batches: tuple[int, ...], axes: Sp
         plan = space_for_shape(shape, batches, axes)
         name = table_file_name(shape, device_name) if device_name else "(this GPU's name)"
         sizes = ", ".join(f"{batch}:{len(configs)}" for batch, configs in plan.items())
-        print(f"shape {shape.key}\n  table {name}\n  configs per batch size {sizes}")
+        show(f"shape {shape.key}\n  table {name}\n  configs per batch size {sizes}")
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -205,8 +206,8 @@ def _run_check(args: argparse.Namespace) -> int:
                          rounds=args.judge_rounds, reps=args.judge_reps, batches=batches,
                          command=_command_line(), routing=routing)
     judgements = job.run_check(spec)
-    print(format_table([(shape.key.split(",K=")[0], j) for j in judgements]))
-    print(f"wrote {json_path}")
+    show(format_table([(shape.key.split(",K=")[0], j) for j in judgements]))
+    show(f"wrote {json_path}")
     fail_on_losses(args.check, judgements, json_path)
     return 0
 
@@ -241,5 +242,5 @@ def run(args: argparse.Namespace) -> int:
         command=_command_line(), routing=routing,
     )
     for path in job.run_tune(spec):
-        print(path)
+        show(str(path))
     return 0

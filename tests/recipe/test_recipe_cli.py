@@ -6,6 +6,7 @@ import fcntl
 import os
 import pty
 import shlex
+import shutil
 import struct
 import subprocess
 import sys
@@ -276,3 +277,19 @@ def test_markers_check_refuses_a_device(tmp_path: Path) -> None:
     done = _markers_check("/dev/zero", timeout=20)
     assert done.returncode == 2, done.stderr
     assert "/dev/zero: cannot read the log: not a regular file" in done.stderr
+
+
+def test_show_escapes_control_characters_in_the_recipes_path(m3patch_cli: Cli,
+                                                             tmp_path: Path) -> None:
+    """Before: the `# series` line printed the series folder's path raw, so an ESC in a folder
+    name reached the terminal (it could clear or recolour it); now escaped as everywhere else."""
+    folder = tmp_path / "team\x1b[2J"
+    folder.mkdir()
+    shutil.copytree(REPO / "patches" / "vllm-0.33.0", folder / "vllm-0.33.0")
+    text = (REPO / "recipes" / "mi355x_tp4.yaml").read_text()
+    recipe = folder / "mine.yaml"
+    recipe.write_text(text.replace("series: vllm-0.33.0", "series: ./vllm-0.33.0"))
+    show = m3patch_cli("recipe", "show", str(recipe))
+    assert show.returncode == 0, show.stderr
+    assert "\x1b" not in show.stdout
+    assert "# series " + str(folder).replace("\x1b", "\\x1b") in show.stdout
