@@ -231,6 +231,32 @@ def expect_number(value: object, *, minimum: float | None = None) -> float:
     return number
 
 
+def finite_text(value: str | int | float) -> str:
+    """The value as a command line's text, never one that reads as NaN or infinity: argparse's
+    and most clients' float() take "nan" and "inf" (any case, signed, padded), and a NaN passes
+    every bound it meets, so `.nan` and `'nan'` are refused alike."""
+    text = str(value)
+    try:
+        number = float(text)
+    except (ValueError, OverflowError):
+        return text
+    if not math.isfinite(number):
+        msg = f"expected a finite number, got {short_repr(text.strip())} (read as {number})"
+        raise SchemaError(msg)
+    return text
+
+
+def expect_flag_value(value: object) -> str | int | float | bool:
+    """A value another tool reads as KEY=VALUE (lm-eval's --gen_kwargs, AIPerf's
+    --extra-inputs): a string, a finite number or true/false."""
+    if not isinstance(value, (str, int, float, bool)):
+        msg = f"expected a string, number or true/false, got {type_name(value)}"
+        raise SchemaError(msg)
+    if not isinstance(value, bool):
+        finite_text(value)
+    return value
+
+
 def expect_choice(value: object, choices: Iterable[str]) -> str:
     text = expect_str(value)
     choices = tuple(choices)

@@ -44,6 +44,7 @@ from m3patch.schema import (
     at_key,
     check_keys,
     expect_choice,
+    expect_flag_value,
     expect_int,
     expect_list,
     expect_mapping,
@@ -185,10 +186,8 @@ def agentic_scenario(raw: object, *, base: Path) -> AgenticScenario:
     with at_key("extra-inputs"):
         extra = tuple(expect_mapping(data.get("extra-inputs", {})).items())
         for key, value in extra:
-            if not isinstance(value, (str, int, float, bool)):
-                with at_key(key):
-                    msg = f"expected a string, number or true/false, got {type(value).__name__}"
-                    raise SchemaError(msg)
+            with at_key(str(key)):
+                expect_flag_value(value)
     with at_key("warmup-request-count"):
         warmup = expect_int(data.get("warmup-request-count", 0), minimum=0)
     with at_key("client"):

@@ -36,6 +36,7 @@ from m3patch.schema import (
     check_keys,
     expect_bool,
     expect_choice,
+    expect_flag_value,
     expect_int,
     expect_list,
     expect_mapping,
@@ -101,9 +102,7 @@ def _gen_kwargs(value: object) -> tuple[tuple[str, str | int | float | bool], ..
     out: list[tuple[str, str | int | float | bool]] = []
     for key, item in data.items():
         with at_key(str(key)):
-            if not isinstance(item, (str, int, float, bool)):
-                msg = f"expected a string, number or true/false, got {type(item).__name__}"
-                raise SchemaError(msg)
+            item = expect_flag_value(item)
             if isinstance(item, str) and ("," in item or "=" in item):
                 # lm-eval reads --gen_kwargs as KEY=VALUE,KEY=VALUE: these would split the value.
                 msg = f"a value with ',' or '=' cannot pass through lm-eval's --gen_kwargs: {item!r}"

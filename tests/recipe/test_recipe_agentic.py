@@ -110,6 +110,9 @@ def test_the_cpu_recipe_loads_into_agentic_cells() -> None:
      "give dram-utilization and node"),
     (sweep_with(**{"aiperf-scenario": "inferencex-agentx-mvp"}), "runs at least 900 s"),
     (sweep_with(**{"dram-utilization": 1.5}), "must be in (0, 1]"),
+    (sweep_with(**{"extra-inputs": {"temperature": float("inf")}}),
+     "At key: temperature\n=====> expected a finite number, got 'inf'"),
+    (sweep_with(**{"extra-inputs": {"top_p": "NaN"}}), "expected a finite number, got 'NaN'"),
 ])
 def test_bad_agentic_keys_refuse_with_a_breadcrumb(tmp_path: Path, sweep: dict[str, Any],
                                                     expected: str) -> None:

@@ -91,6 +91,10 @@ def test_no_section_means_no_gate(tmp_path: Path) -> None:
     ({"when": "during-sweep", "tasks": [task()]}, "before-sweep, after-sweep"),
     ({"tasks": [task(concurrency=0)]}, ">= 1"),
     ({"tasks": [task(**{"gen-kwargs": {"until": "a,b"}})]}, "--gen_kwargs"),
+    # lm-eval's --gen_kwargs turns "nan" into a float, and a NaN temperature samples garbage
+    ({"tasks": [task(**{"gen-kwargs": {"temperature": float("nan")}})]},
+     "At key: temperature\n=====> expected a finite number, got 'nan'"),
+    ({"tasks": [task(**{"gen-kwargs": {"top_p": " -Inf"}})]}, "expected a finite number"),
     ({"tasks": [task(task="gsm8k --x")]}, "lm-eval task name"),
     ({"tasks": [task(dataset="not a/hub/id")]}, "hub dataset id"),
     ({"tasks": [task(**{"dataset-name": 3})]}, "At key: dataset-name\n=====> expected a string"),
