@@ -11,7 +11,6 @@ a recipe that does not do what it says. Options m3patch sets from other sections
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from m3patch.schema import (
     expect_int,
     expect_str,
     expect_str_keys,
+    finite_text,
 )
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,7 +79,9 @@ def parallelism(data: dict[str, Any]) -> Parallelism:
     return Parallelism(tp, ep, dp, dp_attention)
 
 
-def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def env(data: dict[str, Any], *, expands: bool = False) -> tuple[tuple[str, str], ...]:
+    """`expands`: the values are expanded as `${VAR:-default}` later (topology.network.env, on
+    each node); any other env is handed to the server as written."""
     out = []
     for name, value in expect_str_keys(data).items():
         with at_key(name):
@@ -89,7 +91,14 @@ def env(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 msg = f"expected a string or number (quote booleans: \"1\"/\"0\"), got {value!r}"
                 raise SchemaError(msg)
-            out.append((name, _finite_text(value)))
+            if not expands and "${" in str(value):
+                # the server would get the text `${VAR}` itself: no shell stands between them
+                msg = (f"{value!r}: this env is passed to the server as written, `${{...}}` "
+                       "and all; write the value itself, or export the variable in the shell "
+                       "that runs m3patch (the server inherits it), or in a multi-node recipe "
+                       "put it in topology.network.env, which expands it on each node")
+                raise SchemaError(msg)
+            out.append((name, finite_text(value)))
     return tuple(out)
 
 
@@ -107,22 +116,7 @@ def _scalar(value: object) -> str:
         msg = f"expected a string or number, got {type(value).__name__}"
         raise SchemaError(msg)
     # a YAML date (`revision: 2024-05-01`) is its text, as before
-    return _finite_text(value) if isinstance(value, (str, int, float)) else str(value)
-
-
-def _finite_text(value: str | int | float) -> str:
-    """The value as the launch's text, never one that reads as NaN or infinity: argparse's
-    float() takes "nan" and "inf" (any case, signed, padded), and a NaN passes every bound it
-    meets, so `.nan` and `'nan'` are refused alike."""
-    text = str(value)
-    try:
-        number = float(text)
-    except ValueError:
-        return text
-    if not math.isfinite(number):
-        msg = f"expected a finite number, got {text.strip()!r} (read as {number})"
-        raise SchemaError(msg)
-    return text
+    return finite_text(value) if isinstance(value, (str, int, float)) else str(value)
 
 
 def _json(value: dict[str, Any]) -> str:
@@ -161,14 +155,30 @@ def _one_flag(key: str, value: Any) -> list[str]:
 def flatten_vllm_args(args: Mapping[str, Any]) -> tuple[str, ...]:
     """`{'max-model-len': 512, 'enforce-eager': True}` -> `('--max-model-len', '512', '--enforce-eager')`."""
     argv: list[str] = []
+    seen: dict[str, str] = {}
     for raw_key, value in expect_str_keys(args).items():
         with at_key(raw_key):
-            key = raw_key.replace("_", "-")
-            if raw_key.startswith("-") or not key:
-                msg = f"write the option name without dashes, e.g. {raw_key.lstrip('-')!r}"
+            key = _option_name(raw_key)
+            if key in seen:  # argparse would keep the later one without a word
+                msg = f"the same option as {seen[key]!r} (vLLM reads '_' as '-'): keep one"
                 raise SchemaError(msg)
-            if key in RESERVED_FLAGS:
-                msg = f"set this through {RESERVED_FLAGS[key]} instead"
-                raise SchemaError(msg)
+            seen[key] = raw_key
             argv.extend(_one_flag(key, value))
     return tuple(argv)
+
+
+def _option_name(raw_key: str) -> str:
+    """The option a key names, '_' read as '-' as vLLM does. A dotted key (`compilation-config.
+    level`) sets one field of a JSON option: its option must not be one m3patch sets itself."""
+    if raw_key.startswith("-") or not raw_key:
+        msg = f"write the option name without dashes, e.g. {raw_key.lstrip('-')!r}"
+        raise SchemaError(msg)
+    if "=" in raw_key or any(c.isspace() for c in raw_key):
+        msg = "write the option name alone as the key and its value as the value"
+        raise SchemaError(msg)
+    option, dot, field = raw_key.partition(".")
+    option = option.replace("_", "-")  # a JSON field keeps its own spelling
+    if option in RESERVED_FLAGS:
+        msg = f"set this through {RESERVED_FLAGS[option]} instead"
+        raise SchemaError(msg)
+    return f"{option}{dot}{field}"

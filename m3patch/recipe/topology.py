@@ -214,7 +214,7 @@ def network(data: dict[str, Any]) -> Network:
         with at_key(key):
             values.append(expect_str(data.get(key, "auto")))
     with at_key("env"):
-        env = launch.env(expect_mapping(data.get("env", {})))
+        env = launch.env(expect_mapping(data.get("env", {})), expands=True)
         check_placeholders(env)
     return Network(values[0], values[1], env)
 

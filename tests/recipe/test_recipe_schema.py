@@ -61,11 +61,12 @@ def test_flattening_matches_vllm_config_rules() -> None:
     argv = flatten_vllm_args({
         "enforce-eager": True, "enable-prefix-caching": False, "max_model_len": 512,
         "compilation-config": {"level": 3, "sizes": [1, 2]}, "served-lora": ["a", "b"],
+        "kv_transfer_config.kv_role": "kv_both",
     })
     assert argv == ("--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "512",
                     "--compilation-config", json.dumps({"level": 3, "sizes": [1, 2]},
                                                        separators=(",", ":")),
-                    "--served-lora", "a", "b")
+                    "--served-lora", "a", "b", "--kv-transfer-config.kv_role", "kv_both")
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -74,6 +75,11 @@ def test_flattening_matches_vllm_config_rules() -> None:
     ({"--dtype": "float32"}, "without dashes"),
     ({"port": 1}, "server.port"),
     ({"tensor-parallel-size": 2}, "parallelism.tp"),
+    # before: each of these reached the launch, the last two past m3patch's own settings
+    ({"max-model-len=512": True}, "the option name alone as the key"),
+    ({"max_model_len": 512, "max-model-len": 1024}, "the same option as 'max_model_len'"),
+    ({"speculative-config.method": "eagle3"}, "set this through speculative instead"),
+    ({"tensor_parallel_size.x": 1}, "parallelism.tp"),
 ])
 def test_flattening_refuses_what_vllm_would_drop_or_double(args: dict[str, object],
                                                            needle: str) -> None:
@@ -132,6 +138,27 @@ def test_env_variables_in_paths_expand(tmp_path: Path, monkeypatch: pytest.Monke
     recipe = load_recipe(REPO / "recipes" / "cpu_tiny_moe.yaml")
     assert recipe.model.source == str(tmp_path / "m") and recipe.model.is_local
     assert recipe.model.tokenizer == recipe.model.source
+
+
+def test_a_variable_in_an_env_value_is_refused_where_nothing_expands_it(tmp_path: Path) -> None:
+    """Before: `HF_HOME: ${SCRATCH}/hf` reached the server as that very text (no shell stands
+    between m3patch and the server); only topology.network.env expands on each node."""
+    with pytest.raises(SchemaError) as info:
+        load_recipe(variant(tmp_path, {"env": {"HF_HOME": "${SCRATCH}/hf"}}))
+    text = str(info.value)
+    assert "At key: env\n==> At key: HF_HOME" in text and "topology.network.env" in text
+    data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe_pd.yaml").read_text())
+    data["series"] = str(REPO / "patches" / "vllm-0.32.0")
+    data["topology"]["roles"]["prefill"]["env"] = {"X": "${HOME}"}
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(SchemaError) as info:
+        load_recipe(path)
+    assert "prefill" in str(info.value) and "passed to the server as written" in str(info.value)
+    data["topology"]["roles"]["prefill"].pop("env")
+    data["topology"].setdefault("network", {})["env"] = {"X": "${HOME}"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert load_recipe(path).topology is not None  # expanded on each node
 
 
 @pytest.mark.parametrize(("ratio", "ok"), [(0.0, True), (0.5, True), (0.9, False), (1.0, False)])
