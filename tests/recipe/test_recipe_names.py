@@ -34,6 +34,20 @@ def test_an_existing_file_or_a_path_always_wins(tmp_path: Path,
     assert recipe_path("./mi300x_tp8") == Path("./mi300x_tp8")
 
 
+def test_a_bare_name_that_is_also_a_file_here_is_refused(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `serve mi300x_tp8` beside the user's own mi300x_tp8.yaml ran the shipped recipe,
+    silently another one than the file the user was looking at."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mi300x_tp8.yml").write_text("schema: 1\n")
+    with pytest.raises(UsageError) as info:
+        recipe_path("mi300x_tp8")
+    assert "both a shipped recipe" in info.value.message and "mi300x_tp8.yml" in info.value.message
+    assert "give ./mi300x_tp8.yml for the file here" in (info.value.hint or "")
+    monkeypatch.chdir(REPO / "recipes")  # the shipped file itself is no twin
+    assert recipe_path("mi300x_tp8") == REPO / "recipes" / "mi300x_tp8.yaml"
+
+
 def test_an_unknown_name_lists_the_shipped_ones(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
