@@ -29,6 +29,7 @@ from m3patch.recipe.topology import ROUTER_CONNECTORS, NodeId, Role, Topology, n
 from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
 
 ROUTER_LOG_LEVEL = "info"
+METRICS_HOST = "127.0.0.1"  # vllm-router's default: its metrics stay off the network
 # The KV probe's prompt: long enough for several KV blocks, and never over the instances'
 # max-model-len. Every tokenizer the recipes use spends at least one character of plain ASCII
 # per token; the slack covers BOS/special tokens and the probe's own 4 output tokens.
@@ -144,13 +145,18 @@ def _proxy_plan(recipe: Recipe, port: int, log_path: Path, net: NodeNetwork,
             # the router waits for its workers as long as the set may take to be ready
             "--worker-startup-timeout-secs", str(int(recipe.deadlines.ready_s)),
             "--request-timeout-secs", str(int(recipe.deadlines.request_s)),
+            "--prometheus-host", METRICS_HOST, "--prometheus-port", str(role.metrics_port),
             "--log-level", ROUTER_LOG_LEVEL)
     overrides = tuple({**dict(LOOPBACK_ENV), **netenv}.items())
     spec = LaunchSpec(argv=argv, env={**os.environ, **dict(overrides)}, log_path=log_path,
                       base_url=f"http://{net.address}:{port}", served_model=recipe.model.served_name,
                       ready_deadline_s=recipe.deadlines.ready_s,
                       request_deadline_s=recipe.deadlines.request_s,
-                      fix_hint=f"m3patch serve {recipe.path} --role {role.name} --rank 0")
+                      fix_hint=f"m3patch serve {recipe.path} --role {role.name} --rank 0",
+                      also_binds=((METRICS_HOST, role.metrics_port,
+                                   "vllm-router's metrics endpoint",
+                                   f"set topology.roles.{role.name}.metrics-port to a free "
+                                   "port"),))
     return LaunchPlan(spec, overrides, (), spec.fix_hint)
 
 

@@ -48,8 +48,11 @@ DP_KINDS = ("dp-head", "dp-headless")
 PD_KINDS = ("prefill", "decode", "proxy")
 VLLM_KINDS = ("dp-head", "dp-headless", "prefill", "decode")
 ROLE_KEYS = ("kind", "nodes", "local-dp", "port", "vllm-args", "env", "markers", "router",
-             "kv-arrived")
+             "kv-arrived", "metrics-port")
 DEFAULT_ROUTER = "${M3PATCH_ROUTER_VENV:-~/.cache/m3patch/vllm-router-venv}/bin/vllm-router"
+# vllm-router always serves Prometheus metrics on loopback, by default on 29000: a second router
+# on the host (another P/D set) panicked at start on that port, so the proxy names its own.
+DEFAULT_METRICS_PORT = 29000
 # The keys vLLM 0.33's connectors read from kv_connector_extra_config with no default
 # (moriio_common.py: int(extra_config["http_port"]), ["handshake_port"], ["notify_port"]; the
 # NIXL connector reads every key with a default). tests/cluster check this against the tree.
@@ -86,6 +89,7 @@ class Role:
     router: str = DEFAULT_ROUTER  # the proxy's vllm-router binary, as written
     kv_arrived: str | None = None  # decode: the log line that proves KV arrived
     connector: str | None = None  # prefill/decode: kv-transfer-config's kv_connector
+    metrics_port: int = DEFAULT_METRICS_PORT  # the proxy's: vllm-router's metrics, on loopback
 
     @property
     def serves_http(self) -> bool:
@@ -265,6 +269,8 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
         router = expect_str(data.get("router", DEFAULT_ROUTER))
     with at_key("kv-arrived"):
         kv_arrived = None if data.get("kv-arrived") is None else expect_str(data["kv-arrived"])
+    with at_key("metrics-port"):
+        metrics_port = _port(data.get("metrics-port", DEFAULT_METRICS_PORT))
     with at_key("env"):
         env = launch.env(expect_mapping(data.get("env", {})))
         check_placeholders(env)
@@ -275,11 +281,12 @@ def _role(name: str, data: dict[str, Any], source: str) -> Role:
             msg = "a role states counts on its own markers (per worker); counts/waive are not allowed here"
             raise SchemaError(msg)
     role = Role(name, kind, nodes, local_dp, port, vllm_args, env, marker_gates.markers, router,
-                kv_arrived, connector)
+                kv_arrived, connector, metrics_port)
     _check_role(role)
-    if kind != "proxy" and "router" in data:
-        msg = "router: names the proxy's vllm-router; only a proxy role takes it"
-        raise SchemaError(msg)
+    for key in ("router", "metrics-port"):
+        if kind != "proxy" and key in data:
+            msg = f"{key}: belongs to the proxy's vllm-router; only a proxy role takes it"
+            raise SchemaError(msg)
     if kind != "decode" and kv_arrived is not None:
         msg = "kv-arrived: is the decode side's proof that KV arrived; only a decode role takes it"
         raise SchemaError(msg)

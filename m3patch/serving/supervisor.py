@@ -59,6 +59,8 @@ class LaunchSpec:
     ready_deadline_s: float
     request_deadline_s: float
     fix_hint: str  # the command that re-runs this launch, for error messages
+    # more ports the process binds: (host, port, what binds it, how to move it)
+    also_binds: tuple[tuple[str, int, str, str], ...] = ()
 
 
 class Supervisor:
@@ -87,6 +89,8 @@ class Supervisor:
 
     def start(self) -> None:
         _require_free_port(self.spec.base_url)
+        for host, port, what, move in self.spec.also_binds:
+            _require_free_bind(host, port, what, move)
         try:
             self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.spec.log_path.open("wb")
@@ -258,6 +262,17 @@ def _require_free_port(base_url: str) -> None:
             return
     msg = f"{host}:{port} is already in use by another process; vllm serve could not bind it"
     raise UsageError(msg, hint=f"stop that process, or pass --port N (e.g. --port {port + 1})")
+
+
+def _require_free_bind(host: str, port: int, what: str, move: str) -> None:
+    """A port the process binds besides its own: taken, the process would fail at start (a
+    second vllm-router panics on its metrics port) with its reason deep in its log."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        if sock.connect_ex((host, port)) != 0:
+            return
+    msg = f"{host}:{port} is already in use by another process; {what} could not bind it"
+    raise UsageError(msg, hint=f"stop that process, or {move}")
 
 
 def _ok(url: str, timeout: float) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,15 @@ import pytest
 import yaml
 
 from m3patch.cluster import rendezvous as rv
+from m3patch.cluster.network import NodeNetwork
 from m3patch.cluster.node_plan import kv_probe_prompt, plan_node, plan_set
 from m3patch.cluster.slurm import sbatch_script, task_table
-from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid
+from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid, UsageError
+from m3patch.markers import MarkerChecker
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.topology import REQUIRED_EXTRA, NodeId
 from m3patch.schema import SchemaError
+from m3patch.serving.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 DP2 = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
@@ -83,6 +87,7 @@ def test_marker_counts_are_per_worker(tmp_path: Path) -> None:
                 "x": {"kind": "proxy"}}}, "needs its own port"),
     ({"roles": {"h": {"kind": "dp-head", "markers": {"counts": {"a": 1}}}}}, "counts/waive"),
     ({"roles": {"h": {"kind": "dp-head"}}, "rpc-port": 70000}, "above 65535"),
+    ({"roles": {"h": {"kind": "dp-head", "metrics-port": 29001}}}, "only a proxy role takes it"),
 ])
 def test_bad_topologies_are_refused(tmp_path: Path, edit: dict[str, object], message: str) -> None:
     path = variant(tmp_path, {"topology": edit})
@@ -232,6 +237,9 @@ def test_gpu_topologies_plan() -> None:
     assert proxy[proxy.index("--worker-startup-timeout-secs") + 1] == "3600"
     assert proxy[proxy.index("--prefill") + 1] == "http://<prefill/0-address>:8100"
     assert proxy[proxy.index("--decode") + 1] == "http://<decode/0-address>:8200"
+    # the router's own metrics port, named, so a second set's router can be moved off it
+    assert proxy[proxy.index("--prometheus-port") + 1] == "29000"
+    assert proxy[proxy.index("--prometheus-host") + 1] == "127.0.0.1"
     ep = load_recipe(REPO / "recipes" / "mi300x_ep16_2node.yaml")
     assert ep.topology is not None and ep.topology.dp_size == 16
     node = plan_node(ep, NodeId("node", 0), "/py", Path("/l"), None)
@@ -283,3 +291,31 @@ def test_the_gpu_job_asks_for_what_its_nodes_use() -> None:
     assert "--kill-on-bad-exit=1" in srun and "m3patch_exec" not in srun
     pd = sbatch_script(load_recipe(REPO / "recipes" / "mi355x_tp4_pd.yaml"), Path("/r"))
     assert "#SBATCH --gpus-per-node=4\n" in pd
+
+
+def test_a_taken_router_metrics_port_refuses_the_proxy_before_it_starts(tmp_path: Path) -> None:
+    """Before: vllm-router binds its Prometheus metrics on 127.0.0.1:29000 whatever its --port,
+    so the router of a second P/D set on the host panicked at start ("failed to install
+    Prometheus metrics exporter: ... Address already in use"), seen with vllm-router 0.1.17
+    here. The proxy now names the port (topology.roles.ROLE.metrics-port) and a taken one is
+    refused before the router starts, naming the key."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        data = yaml.safe_load((REPO / "recipes" / "cpu_tiny_moe_pd.yaml").read_text())
+        data["topology"]["roles"]["proxy"]["metrics-port"] = port
+        with socket.socket() as free:  # the router's own port: free, so the metrics port decides
+            free.bind(("127.0.0.1", 0))
+            data["server"]["port"] = free.getsockname()[1]
+        recipe = load_recipe(variant(tmp_path, data, base=REPO / "recipes" / "cpu_tiny_moe_pd.yaml"))
+        loopback = NodeNetwork("127.0.0.1", "lo", "127.0.0.1")
+        plan = plan_node(recipe, NodeId("proxy", 0), "/py", tmp_path / "proxy.log", None, loopback)
+        assert plan.argv[plan.argv.index("--prometheus-port") + 1] == str(port)
+        supervisor = Supervisor(plan.plan.spec, MarkerChecker(()))
+        with pytest.raises(UsageError) as info:
+            supervisor.start()
+    assert info.value.message == (f"127.0.0.1:{port} is already in use by another process; "
+                                  "vllm-router's metrics endpoint could not bind it")
+    assert "set topology.roles.proxy.metrics-port to a free port" in (info.value.hint or "")
+    assert supervisor.proc is None and not (tmp_path / "proxy.log").exists()
