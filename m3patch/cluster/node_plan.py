@@ -29,7 +29,7 @@ from m3patch.recipe.topology import ROUTER_CONNECTORS, NodeId, Role, Topology, n
 from m3patch.serving.launch_plan import LOOPBACK_ENV, PROVENANCE_PREFIX, LaunchPlan, plan_launch
 
 ROUTER_LOG_LEVEL = "info"
-METRICS_HOST = "127.0.0.1"  # vllm-router's default: its metrics stay off the network
+METRICS_HOST = "127.0.0.1"  # where vllm-router binds its metrics (its default, kept)
 # The KV probe's prompt: long enough for several KV blocks, and never over the instances'
 # max-model-len. Every tokenizer the recipes use spends at least one character of plain ASCII
 # per token; the slack covers BOS/special tokens and the probe's own 4 output tokens.
@@ -145,7 +145,7 @@ def _proxy_plan(recipe: Recipe, port: int, log_path: Path, net: NodeNetwork,
             # the router waits for its workers as long as the set may take to be ready
             "--worker-startup-timeout-secs", str(int(recipe.deadlines.ready_s)),
             "--request-timeout-secs", str(int(recipe.deadlines.request_s)),
-            "--prometheus-host", METRICS_HOST, "--prometheus-port", str(role.metrics_port),
+            "--prometheus-port", str(role.metrics_port),
             "--log-level", ROUTER_LOG_LEVEL)
     overrides = tuple({**dict(LOOPBACK_ENV), **netenv}.items())
     spec = LaunchSpec(argv=argv, env={**os.environ, **dict(overrides)}, log_path=log_path,
