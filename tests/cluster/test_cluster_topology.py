@@ -19,10 +19,12 @@ from m3patch.cluster.node_plan import kv_probe_prompt, plan_node, plan_set
 from m3patch.cluster.slurm import sbatch_script, task_table
 from m3patch.errors import NodeLost, NodeMismatch, ResultsInvalid, UsageError
 from m3patch.markers import MarkerChecker
+from m3patch.patching.series import load_series
 from m3patch.recipe.loader import load_recipe
 from m3patch.recipe.topology import REQUIRED_EXTRA, NodeId
 from m3patch.schema import SchemaError
 from m3patch.serving.supervisor import Supervisor
+from m3patch.serving.vllm_parser import series_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DP2 = REPO / "recipes" / "cpu_tiny_moe_dp2.yaml"
@@ -318,3 +320,30 @@ def test_a_taken_router_metrics_port_refuses_the_proxy_before_it_starts(tmp_path
                                   "vllm-router's metrics endpoint could not bind it")
     assert "set topology.roles.proxy.metrics-port to a free port" in (info.value.hint or "")
     assert supervisor.proc is None and not (tmp_path / "proxy.log").exists()
+
+
+@pytest.mark.parametrize("name", ["cpu_tiny_moe_dp2", "cpu_tiny_moe_pd", "mi300x_ep16_2node",
+                                  "mi355x_tp4_pd"])
+def test_every_flag_a_node_runs_with_is_its_target_vllms_own(name: str) -> None:
+    """The launch check judges the recipe's own arguments; the flags m3patch adds per node
+    (--data-parallel-*, --headless, --enable-scale-out, --host, --port) are checked here against
+    the series' launch spec (vLLM's own parser, dumped when the series was locked): a vLLM that
+    renamed one fails this test when its series is locked, not a node at start. A flag that
+    takes a value is given one, and a switch none."""
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml")
+    spec = series_spec(load_series(recipe.series_dir))
+    assert spec is not None
+    topo = recipe.topology
+    assert topo is not None
+    for node in topo.nodes():
+        if topo.role(node.role).kind == "proxy":
+            continue
+        argv = plan_node(recipe, node, "/py", Path("/l"), None).argv
+        args = list(argv[argv.index("serve") + 2:])  # after `vllm serve MODEL`
+        for i, arg in enumerate(args):
+            if not arg.startswith("--"):
+                continue
+            action = spec.actions.options.get(arg.split("=", 1)[0])
+            assert action is not None, (name, str(node), arg)
+            value_follows = i + 1 < len(args) and not args[i + 1].startswith("--")
+            assert action["takes_value"] == value_follows, (name, str(node), arg)
